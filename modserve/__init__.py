@@ -1,0 +1,24 @@
+"""modserve: a plugin-based, modular LLM inference-serving engine."""
+
+from importlib.metadata import PackageNotFoundError, version
+
+try:
+    __version__ = version("modserve")
+except PackageNotFoundError:  # running from a source tree
+    __version__ = "0.0.0"
+
+__all__ = ["LLM", "SamplingParams", "EngineConfig", "__version__"]
+
+
+def __getattr__(name: str):
+    # Lazy: `import modserve` stays cheap (the CLI and plugin registration import no torch).
+    if name == "LLM":
+        from modserve.core.llm import LLM
+        return LLM
+    if name == "SamplingParams":
+        from modserve.core.sampling_params import SamplingParams
+        return SamplingParams
+    if name == "EngineConfig":
+        from modserve.core.config import EngineConfig
+        return EngineConfig
+    raise AttributeError(name)

@@ -1,0 +1,1 @@
+from modserve.cli import main; raise SystemExit(main())

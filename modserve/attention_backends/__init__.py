@@ -1,0 +1,19 @@
+"""Built-in attention backends, registered like any plugin's (imports nothing heavy)."""
+
+from __future__ import annotations
+
+from modserve.core.hookspecs import hookimpl
+
+
+@hookimpl
+def register_attention_backends(register):
+    register(
+        "reference",
+        "modserve.attention_backends.reference:ReferenceAttention",
+        description="Per-sequence SDPA over KV gathered from the cache; slow, for testing",
+    )
+    register(
+        "paged",
+        "modserve.attention_backends.paged:PagedAttention",
+        description="Batched decode plus per-sequence SDPA prefill over a paged KV cache (CPU default)",
+    )

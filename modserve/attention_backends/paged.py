@@ -1,0 +1,204 @@
+"""The paged attention backend: the fast path for CPU, in plain torch ops.
+
+A step's batch splits into two groups:
+
+- decodes (one new token each) run as one batched computation: their KV is
+  gathered block by block into ``[Bd, L, Hkv, D]`` (``L`` = the longest decode,
+  rounded up to whole blocks) and attended by one fused SDPA call with queries
+  ``[Bd, H, 1, D]``, grouped-query heads mapped onto their KV head by the kernel
+  (no repeated KV) and keys ``j >= seq_len`` masked out;
+- prefills (several new tokens) run one SDPA call per sequence: straight on the
+  new k/v with ``is_causal`` when nothing is cached yet, else on KV gathered from
+  the cache with a causal mask offset by the context length.
+
+Everything index-like is built once per step in :meth:`PagedAttention.prepare`
+and shared by all layers. Gathers go into workspace buffers that the backend
+keeps and reuses across layers and steps, since touching freshly allocated
+memory costs more than the copy itself on CPU.
+
+SDPA is always called with 4-D ``[B, H, L, D]`` inputs: on CPU only those reach
+the fused flash kernel (3-D inputs fall back to the math path, which repeats KV
+heads). Decodes in bfloat16/float16 on CPU are computed in float32 (KV converted
+while it is gathered): PyTorch's reduced-precision CPU kernels are several times
+slower for the single-query case unless the CPU has native bf16 support.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from pydantic import BaseModel
+
+from modserve.core.interfaces import AttentionBackend, AttentionMetadata, AttentionSpec
+
+
+@dataclass(slots=True)
+class PrefillPlan:
+    """One prefill sequence: its query rows and, with a cached context, where its KV lives."""
+
+    start: int  # first query row
+    end: int  # one past the last query row
+    seq_len: int
+    blocks: torch.Tensor | None  # [nb] the blocks holding positions 0..seq_len-1; None if context_len == 0
+    mask: torch.Tensor | None  # [Lq, seq_len] bool, True = attend; None if context_len == 0
+
+
+@dataclass(slots=True)
+class PagedAttentionState:
+    """What :meth:`PagedAttention.prepare` builds once per step for every layer."""
+
+    num_decodes: int = 0
+    all_decodes: bool = False  # every row is a decode, so decode rows are 0..T-1 in order
+    decode_rows: torch.Tensor | None = None  # [Bd] query row of each decode
+    decode_len: int = 0  # L: longest decode seq_len rounded up to whole blocks
+    decode_blocks: torch.Tensor | None = None  # [Bd * L / block_size] block ids, row-major per decode
+    decode_mask: torch.Tensor | None = None  # [Bd, 1, 1, L] bool, True = key j < seq_len
+    prefills: list[PrefillPlan] = field(default_factory=list)
+
+
+class PagedAttention(AttentionBackend):
+    """Batched decode attention plus per-sequence SDPA prefills over a paged KV cache."""
+
+    def __init__(self, spec: AttentionSpec, options: BaseModel | None = None) -> None:
+        super().__init__(spec, options)
+        self._workspace: dict[str, torch.Tensor] = {}
+
+    # -- once per step ---------------------------------------------------
+    def prepare(self, meta: AttentionMetadata) -> PagedAttentionState:
+        bs = self.spec.block_size
+        device = meta.block_tables.device
+        state = PagedAttentionState()
+
+        decode_seqs = [i for i, n in enumerate(meta.query_lens_cpu) if n == 1]
+        if decode_seqs:
+            num_blocks = -(-max(meta.seq_lens_cpu[i] for i in decode_seqs) // bs)
+            state.num_decodes = len(decode_seqs)
+            state.all_decodes = len(decode_seqs) == meta.num_seqs
+            state.decode_len = num_blocks * bs
+            if state.all_decodes:
+                tables, seq_lens = meta.block_tables, meta.seq_lens
+                state.decode_rows = meta.query_start_loc[:-1]
+            else:
+                idx = torch.tensor(decode_seqs, dtype=torch.long, device=device)  # [Bd]
+                tables, seq_lens = meta.block_tables[idx], meta.seq_lens[idx]
+                state.decode_rows = meta.query_start_loc[idx]
+            state.decode_blocks = tables[:, :num_blocks].reshape(-1)  # [Bd * nb]
+            key_pos = torch.arange(state.decode_len, device=device)  # [L]
+            state.decode_mask = (key_pos < seq_lens[:, None])[:, None, None, :]  # [Bd, 1, 1, L]
+
+        for i, query_len in enumerate(meta.query_lens_cpu):
+            if query_len <= 1:  # decodes above; an empty sequence has nothing to do
+                continue
+            start = int(meta.query_start_loc[i])
+            context_len, seq_len = meta.context_lens_cpu[i], meta.seq_lens_cpu[i]
+            if context_len == 0:
+                state.prefills.append(PrefillPlan(start, start + query_len, seq_len, None, None))
+                continue
+            blocks = meta.block_tables[i, : -(-seq_len // bs)]  # [nb]
+            key_pos = torch.arange(seq_len, device=device)  # [L]
+            query_pos = torch.arange(context_len, seq_len, device=device)  # [Lq]
+            mask = key_pos[None, :] <= query_pos[:, None]  # [Lq, L]
+            state.prefills.append(PrefillPlan(start, start + query_len, seq_len, blocks, mask))
+        return state
+
+    # -- once per layer --------------------------------------------------
+    def forward(
+        self,
+        q: torch.Tensor,  # [T, H, D]
+        k: torch.Tensor,  # [T, Hkv, D]
+        v: torch.Tensor,  # [T, Hkv, D]
+        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, Hkv, D]
+        meta: AttentionMetadata,
+        state: PagedAttentionState | None,
+    ) -> torch.Tensor:  # [T, H, D]
+        if state is None:
+            state = self.prepare(meta)
+        s = self.spec
+        hkv, d = s.num_kv_heads, s.head_dim
+        key_cache = kv_cache[0].view(-1, hkv, d)  # [slots, Hkv, D]
+        value_cache = kv_cache[1].view(-1, hkv, d)  # [slots, Hkv, D]
+        key_cache.index_copy_(0, meta.slot_mapping, k)
+        value_cache.index_copy_(0, meta.slot_mapping, v)
+
+        if state.all_decodes:
+            return self._decode(q, kv_cache, state)
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # [T, H, D]
+        if state.num_decodes:
+            assert state.decode_rows is not None
+            q_dec = q.index_select(0, state.decode_rows)  # [Bd, H, D]
+            out.index_copy_(0, state.decode_rows, self._decode(q_dec, kv_cache, state))
+        for p in state.prefills:
+            q_p = q[p.start : p.end].transpose(0, 1)[None]  # [1, H, Lq, D]
+            if p.blocks is None:
+                keys, values, mask = k[p.start : p.end], v[p.start : p.end], None  # [Lq, Hkv, D]
+            else:
+                keys = self._gather("k", kv_cache[0], p.blocks)[: p.seq_len]  # [L, Hkv, D]
+                values = self._gather("v", kv_cache[1], p.blocks)[: p.seq_len]  # [L, Hkv, D]
+                mask = p.mask
+            o = F.scaled_dot_product_attention(
+                q_p,
+                keys.transpose(0, 1)[None],  # [1, Hkv, L, D]
+                values.transpose(0, 1)[None],  # [1, Hkv, L, D]
+                attn_mask=mask,
+                is_causal=mask is None,
+                scale=s.scale,
+                enable_gqa=True,
+            )  # [1, H, Lq, D]
+            out[p.start : p.end] = o[0].transpose(0, 1)
+        return out
+
+    def _decode(
+        self,
+        q: torch.Tensor,  # [Bd, H, D]
+        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, Hkv, D]
+        state: PagedAttentionState,
+    ) -> torch.Tensor:  # [Bd, H, D]
+        s = self.spec
+        bd, length = state.num_decodes, state.decode_len
+        assert state.decode_blocks is not None and state.decode_mask is not None
+        keys = self._gather("k", kv_cache[0], state.decode_blocks)  # [Bd * L, Hkv, D]
+        values = self._gather("v", kv_cache[1], state.decode_blocks)  # [Bd * L, Hkv, D]
+        dtype = q.dtype
+        if q.device.type == "cpu" and dtype in (torch.bfloat16, torch.float16):
+            keys = self._buffer("k32", keys.shape, torch.float32, keys.device).copy_(keys)
+            values = self._buffer("v32", values.shape, torch.float32, values.device).copy_(values)
+            q = q.float()
+        o = F.scaled_dot_product_attention(
+            q[:, :, None],  # [Bd, H, 1, D]
+            keys.view(bd, length, s.num_kv_heads, s.head_dim).transpose(1, 2),  # [Bd, Hkv, L, D]
+            values.view(bd, length, s.num_kv_heads, s.head_dim).transpose(1, 2),  # [Bd, Hkv, L, D]
+            attn_mask=state.decode_mask,  # [Bd, 1, 1, L]
+            scale=s.scale,
+            enable_gqa=True,
+        )  # [Bd, H, 1, D]
+        return o[:, :, 0].to(dtype)
+
+    # -- workspace -------------------------------------------------------
+    def _gather(self, name: str, cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
+        """Copy whole blocks of one cache half (``[num_blocks, bs, Hkv, D]``) in the
+        order of ``blocks`` into workspace ``name``: ``[len(blocks) * bs, Hkv, D]``."""
+        _, bs, hkv, d = cache.shape
+        out = self._buffer(name, (blocks.numel(), bs * hkv * d), cache.dtype, cache.device)
+        torch.index_select(cache.view(cache.shape[0], -1), 0, blocks, out=out)
+        return out.view(-1, hkv, d)
+
+    def _buffer(self, name: str, shape: tuple[int, ...] | torch.Size, dtype: torch.dtype,
+                device: torch.device) -> torch.Tensor:
+        """A reusable, grow-only scratch tensor (its contents are garbage)."""
+        numel = _numel(shape)
+        buf = self._workspace.get(name)
+        if buf is None or buf.numel() < numel or buf.dtype != dtype or buf.device != device:
+            if buf is not None and buf.dtype == dtype and buf.device == device:
+                numel = max(numel, buf.numel() * 3 // 2)  # sequences grow: leave headroom
+            buf = torch.empty(numel, dtype=dtype, device=device)
+            self._workspace[name] = buf
+        return buf[: _numel(shape)].view(shape)
+
+
+def _numel(shape: tuple[int, ...] | torch.Size) -> int:
+    n = 1
+    for size in shape:
+        n *= size
+    return n

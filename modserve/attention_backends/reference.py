@@ -1,0 +1,67 @@
+"""The reference attention backend: slow, short, obviously correct.
+
+Every other backend is tested against this one. It writes the step's k/v into
+the paged cache, then for each sequence gathers exactly ``seq_len`` keys/values
+from the cache by its block table and runs SDPA with an explicit causal mask.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from modserve.core.interfaces import AttentionBackend, AttentionMetadata
+
+
+class ReferenceAttention(AttentionBackend):
+    """Per-sequence SDPA over KV gathered from the paged cache."""
+
+    def forward(
+        self,
+        q: torch.Tensor,  # [T, H, D]
+        k: torch.Tensor,  # [T, Hkv, D]
+        v: torch.Tensor,  # [T, Hkv, D]
+        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, Hkv, D]
+        meta: AttentionMetadata,
+        state: Any,
+    ) -> torch.Tensor:  # [T, H, D]
+        s = self.spec
+        bs, hkv, d = s.block_size, s.num_kv_heads, s.head_dim
+        group = s.num_heads // s.num_kv_heads
+        key_cache = kv_cache[0].view(-1, hkv, d)  # [slots, Hkv, D]
+        value_cache = kv_cache[1].view(-1, hkv, d)  # [slots, Hkv, D]
+
+        # 1. Store this step's keys/values at their slots.
+        key_cache[meta.slot_mapping] = k
+        value_cache[meta.slot_mapping] = v
+
+        out = torch.empty_like(q)  # [T, H, D]
+        for i in range(meta.num_seqs):
+            start = int(meta.query_start_loc[i])
+            query_len = meta.query_lens_cpu[i]
+            context_len = meta.context_lens_cpu[i]
+            seq_len = meta.seq_lens_cpu[i]
+            if query_len == 0:
+                continue
+
+            # 2. Gather the sequence's keys/values at positions 0..seq_len-1.
+            pos = torch.arange(seq_len, device=q.device)  # [L]
+            slots = meta.block_tables[i][pos // bs] * bs + pos % bs  # [L]
+            keys = key_cache[slots].repeat_interleave(group, dim=1)  # [L, H, D]
+            values = value_cache[slots].repeat_interleave(group, dim=1)  # [L, H, D]
+
+            # 3. Query row r sits at position context_len + r and sees keys j <= that.
+            q_pos = context_len + torch.arange(query_len, device=q.device)  # [Lq]
+            mask = pos[None, :] <= q_pos[:, None]  # [Lq, L]
+
+            o = F.scaled_dot_product_attention(
+                q[start : start + query_len].transpose(0, 1),  # [H, Lq, D]
+                keys.transpose(0, 1),  # [H, L, D]
+                values.transpose(0, 1),  # [H, L, D]
+                attn_mask=mask,
+                scale=s.scale,
+            )  # [H, Lq, D]
+            out[start : start + query_len] = o.transpose(0, 1)
+        return out

@@ -1,0 +1,105 @@
+"""EngineConfig: every setting of an engine, validated at the boundary.
+
+Loaded from YAML or TOML, then overridden by CLI flags or ``LLM(...)`` keywords.
+Unknown keys are errors naming the key.
+"""
+
+from __future__ import annotations
+
+import os
+import tomllib
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+
+class PluginChoice(BaseModel):
+    """The implementation selected for one kind: its registered name and its options block.
+
+    In a config file either a bare name (``attention_backend: paged``) or
+    ``{name: paged, options: {...}}``.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+    name: str
+    options: dict[str, Any] = Field(default_factory=dict)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _from_name(cls, value: Any) -> Any:
+        return {"name": value} if isinstance(value, str) else value
+
+
+class EngineConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+    model: str = Field(description="Path to a Hugging Face checkpoint directory")
+    tokenizer: str | None = Field(None, description="Tokenizer directory (default: the model's)")
+    served_model_name: str | None = Field(None, description="Name reported by the API (default: the model path)")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    max_model_len: int | None = Field(None, gt=0, description="Default: the model's max_position_embeddings")
+    block_size: int = Field(16, gt=0)
+    kv_cache_memory_gb: float | None = Field(None, gt=0, description="KV cache size; wins over the fraction")
+    kv_cache_memory_fraction: float = Field(0.2, gt=0, le=0.95, description="Fraction of free memory for KV")
+    num_kv_blocks: int | None = Field(None, gt=0, description="Exact block count (overrides both sizes)")
+    max_num_seqs: int = Field(128, gt=0)
+    max_num_batched_tokens: int = Field(2048, gt=0)
+    max_waiting_requests: int = Field(1024, gt=0, description="Server: beyond this, 503")
+    seed: int = 0
+    device: str = "cpu"
+    num_threads: int | None = Field(None, gt=0, description="torch intra-op threads (default: torch's)")
+    attention_backend: PluginChoice = PluginChoice(name="paged")
+    kv_allocator: PluginChoice = PluginChoice(name="paged")
+    scheduler: PluginChoice = PluginChoice(name="fcfs")
+    sampler: PluginChoice = PluginChoice(name="default")
+
+    @field_validator("model")
+    @classmethod
+    def _model_dir(cls, value: str) -> str:
+        path = Path(value).expanduser()
+        if not path.is_dir():
+            raise ValueError(f"model directory does not exist: {value}")
+        return str(path)
+
+    @classmethod
+    def from_file(cls, path: str | os.PathLike[str], **overrides: Any) -> "EngineConfig":
+        return cls.from_dict(load_config_file(path), **overrides)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], **overrides: Any) -> "EngineConfig":
+        merged = dict(data)
+        merged.update({k: v for k, v in overrides.items() if v is not None})
+        try:
+            return cls.model_validate(merged)
+        except ValidationError as e:
+            raise ValueError("invalid config: " + describe_validation_error(e)) from None
+
+
+def load_config_file(path: str | os.PathLike[str]) -> dict[str, Any]:
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"config file not found: {path}")
+    text = path.read_text()
+    if path.suffix == ".toml":
+        data = tomllib.loads(text)
+    elif path.suffix in (".yaml", ".yml", ".json"):
+        data = yaml.safe_load(text) or {}
+    else:
+        raise ValueError(f"config file {path} must end in .yaml, .yml, .toml or .json")
+    if not isinstance(data, dict):
+        raise ValueError(f"config file {path} must hold a mapping at the top level")
+    return data
+
+
+def describe_validation_error(e: ValidationError, what: str = "config key") -> str:
+    """One clause per problem, each naming its field: 'unknown key' reads better than pydantic's default."""
+    lines = []
+    for err in e.errors():
+        where = ".".join(str(p) for p in err["loc"]) or what
+        if err["type"] == "extra_forbidden":
+            lines.append(f"unknown {what} {where!r}")
+        else:
+            lines.append(f"{where}: {err['msg']}")
+    return "; ".join(lines)

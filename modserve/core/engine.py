@@ -1,0 +1,293 @@
+"""LLMEngine: requests in, one scheduled forward pass per step, outputs out."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from itertools import count
+from typing import Any
+
+import torch
+
+from modserve.core.config import EngineConfig
+from modserve.core.interfaces import SamplerOutput, SchedulerLimits
+from modserve.core.loader import load_hf_config
+from modserve.core.model_runner import ModelRunner
+from modserve.core.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from modserve.core.registry import Registry, get_registry
+from modserve.core.sampling_params import SamplingParams
+from modserve.core.scheduler import SchedulerCore
+from modserve.core.sequence import Sequence, SequenceStatus
+from modserve.core.tokenizer import Tokenizer
+
+logger = logging.getLogger("modserve")
+
+
+@dataclass(slots=True, eq=False)
+class Request:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seqs: list[Sequence]
+    metrics: RequestMetrics
+    max_tokens: int
+
+    @property
+    def finished(self) -> bool:
+        return all(s.is_finished for s in self.seqs)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, registry: Registry | None = None, progress: bool = True) -> None:
+        self.config = config
+        registry = registry or get_registry()
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        hf_config = load_hf_config(config.model)
+        self.max_model_len = resolve_max_model_len(config, hf_config)
+        self.dtype = resolve_dtype(config.dtype, hf_config, torch.device(config.device))
+        self.tokenizer = Tokenizer(config.tokenizer or config.model, config.model)
+        self.eos_token_ids = self.tokenizer.eos_token_ids
+        self.runner = ModelRunner(config, hf_config, registry, self.dtype, self.max_model_len,
+                                  self.eos_token_ids, progress=progress)
+        self.num_blocks = self._num_kv_blocks()
+        self.runner.allocate_kv_cache(self.num_blocks)
+        allocator = registry.create("kv_allocator", config.kv_allocator, self.num_blocks, config.block_size)
+        limits = SchedulerLimits(config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len)
+        policy = registry.create("scheduler", config.scheduler, limits)
+        self.scheduler = SchedulerCore(policy, allocator, limits, config.scheduler.name)
+        self.allocator = allocator
+        self.requests: dict[str, Request] = {}
+        self._seq_ids = count()
+        self.counters = {"prompt_tokens": 0, "computed_tokens": 0, "generation_tokens": 0, "steps": 0}
+
+    # -- KV sizing ----------------------------------------------------------------
+    def _num_kv_blocks(self) -> int:
+        cfg = self.config
+        per_block = self.runner.kv_bytes_per_block()
+        if cfg.num_kv_blocks:
+            blocks, field = cfg.num_kv_blocks, "num_kv_blocks"
+        elif cfg.kv_cache_memory_gb:
+            blocks, field = int(cfg.kv_cache_memory_gb * 2**30 // per_block), "kv_cache_memory_gb"
+        else:
+            budget = cfg.kv_cache_memory_fraction * available_memory(torch.device(cfg.device))
+            blocks, field = int(budget // per_block), "kv_cache_memory_fraction"
+        if blocks * cfg.block_size < self.max_model_len:
+            raise ValueError(
+                f"{field}: the KV cache holds {blocks * cfg.block_size} tokens, fewer than "
+                f"max_model_len={self.max_model_len}; give it more memory or lower max_model_len"
+            )
+        logger.info("KV cache: %d blocks x %d tokens = %.3f GiB", blocks, cfg.block_size,
+                    blocks * per_block / 2**30)
+        return blocks
+
+    # -- requests -------------------------------------------------------------------
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        arrival_time: float | None = None,
+    ) -> None:
+        params = params or SamplingParams()
+        if request_id in self.requests:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        text = prompt if isinstance(prompt, str) else None
+        token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        self.validate_prompt(token_ids)
+        max_tokens = self.max_model_len - len(token_ids)
+        if params.max_tokens is not None:
+            max_tokens = min(max_tokens, params.max_tokens)
+        metrics = RequestMetrics(arrival_time=time.perf_counter() if arrival_time is None else arrival_time)
+        seqs = []
+        for i in range(params.n):
+            seq = Sequence(next(self._seq_ids), request_id, list(token_ids), len(token_ids), params,
+                           metrics.arrival_time, index=i)
+            if params.seed is not None:
+                seq.generator = torch.Generator(self.runner.device).manual_seed(params.seed + i)
+            seq.detok = self.tokenizer.stream(params.skip_special_tokens)
+            seqs.append(seq)
+        self.requests[request_id] = Request(request_id, text, token_ids, params, seqs, metrics, max_tokens)
+        for seq in seqs:
+            self.scheduler.add(seq)
+        self.counters["prompt_tokens"] += len(token_ids) * params.n
+
+    def validate_prompt(self, token_ids: list[int]) -> None:
+        if not token_ids:
+            raise ValueError("prompt is empty")
+        if len(token_ids) >= self.max_model_len:
+            raise ValueError(
+                f"prompt is {len(token_ids)} tokens, longer than max_model_len={self.max_model_len} "
+                "allows (it must leave room for at least one generated token)"
+            )
+        vocab = self.runner.vocab_size
+        bad = next((t for t in token_ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ValueError(f"prompt token id {bad} is outside the vocabulary [0, {vocab})")
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return None
+        for seq in req.seqs:
+            if not seq.is_finished:
+                self.scheduler.remove(seq)
+                seq.finish_reason = "abort"
+        return self._output(req)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    # -- one step ---------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        if not self.scheduler.has_work():
+            return []
+        scheduled = self.scheduler.step()
+        if not scheduled.seqs:
+            return []
+        sampled, out = self.runner.execute(scheduled.seqs, scheduled.num_new_tokens)
+        for seq, n in zip(scheduled.seqs, scheduled.num_new_tokens):
+            seq.num_computed_tokens += n
+            self.allocator.mark_computed(seq)
+        self.counters["computed_tokens"] += scheduled.num_tokens
+        self.counters["steps"] += 1
+        if out is None:
+            return []
+        now = time.perf_counter()
+        touched: dict[str, Request] = {}
+        for row, (seq, token) in enumerate(zip(sampled, out.token_ids.tolist())):
+            req = self.requests[seq.request_id]
+            self._append_token(req, seq, token, now, out, row)
+            touched[req.request_id] = req
+            if seq.finish_reason is not None:
+                self.scheduler.remove(seq)
+        self.counters["generation_tokens"] += len(sampled)
+        outputs = []
+        for req in touched.values():
+            if req.finished:
+                req.metrics.finished_time = now
+                del self.requests[req.request_id]
+            outputs.append(self._output(req))
+        return outputs
+
+    def _append_token(self, req: Request, seq: Sequence, token: int, now: float,
+                      out: SamplerOutput, row: int) -> None:
+        params = seq.params
+        seq.token_ids.append(token)
+        if seq.index == 0:
+            req.metrics.token_times.append(now)
+            if req.metrics.first_token_time is None:
+                req.metrics.first_token_time = now
+        if params.logprobs is not None:
+            seq.logprobs.append(_logprob_entry(out, row, params.logprobs))
+        if token in params.stop_token_ids:
+            seq.finish_reason, seq.stop_reason = "stop", token
+        elif token in self.eos_token_ids and not params.ignore_eos:
+            seq.finish_reason = "stop"
+        else:
+            delta = seq.detok.step(token)
+            if delta:
+                seq.text += delta
+                if params.stop:
+                    _check_stop_strings(seq, len(delta))
+        if seq.finish_reason is None and (
+            seq.num_output_tokens >= req.max_tokens or seq.num_tokens >= self.max_model_len
+        ):
+            seq.finish_reason = "length"
+
+    def _output(self, req: Request) -> RequestOutput:
+        completions = []
+        for seq in req.seqs:
+            text = seq.text
+            if seq.finish_reason is None and seq.params.stop:
+                # Hold back what could still turn out to be the start of a stop string.
+                hold = max(len(s) for s in seq.params.stop) - 1
+                text = text[: max(0, len(text) - hold)]
+            completions.append(CompletionOutput(
+                index=seq.index, text=text, token_ids=seq.output_token_ids,
+                finish_reason=seq.finish_reason, stop_reason=seq.stop_reason,
+                logprobs=list(seq.logprobs) if seq.params.logprobs is not None else None,
+            ))
+        return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, completions,
+                             req.finished, req.metrics)
+
+    # -- introspection -------------------------------------------------------------------
+    def stats(self) -> dict[str, Any]:
+        free = self.allocator.num_free_blocks()
+        return {
+            "num_running": len(self.scheduler.running),
+            "num_waiting": len(self.scheduler.waiting),
+            "kv_blocks_total": self.num_blocks,
+            "kv_blocks_free": free,
+            "kv_usage": 1.0 - free / self.num_blocks,
+            "num_preemptions": self.scheduler.num_preemptions,
+            **self.counters,
+            **{f"allocator_{k}": v for k, v in self.allocator.stats().items()},
+        }
+
+
+def _check_stop_strings(seq: Sequence, delta_len: int) -> None:
+    stops = seq.params.stop
+    longest = max(len(s) for s in stops)
+    start = max(0, len(seq.text) - delta_len - longest + 1)
+    hits = [(i, s) for s in stops if (i := seq.text.find(s, start)) != -1]
+    if not hits:
+        return
+    i, s = min(hits)
+    seq.text = seq.text[: i + len(s)] if seq.params.include_stop_str_in_output else seq.text[:i]
+    seq.finish_reason, seq.stop_reason = "stop", s
+
+
+def _logprob_entry(out: SamplerOutput, row: int, num_top: int) -> dict[str, Any]:
+    entry = {
+        "token_id": int(out.token_ids[row]),
+        "logprob": float(out.logprobs[row]),
+        "rank": int(out.ranks[row]),
+        "top": {},
+    }
+    if num_top and out.top_ids is not None:
+        ids = out.top_ids[row, :num_top].tolist()
+        lps = out.top_logprobs[row, :num_top].tolist()
+        entry["top"] = dict(zip(ids, lps))
+    return entry
+
+
+def resolve_max_model_len(config: EngineConfig, hf_config: Any) -> int:
+    limit = getattr(hf_config, "max_position_embeddings", None) or 2048
+    window = getattr(hf_config, "sliding_window", None)
+    if window and getattr(hf_config, "use_sliding_window", True):
+        # NOTE: the attention backends attend to the full context; past the window
+        # that would differ from the model, so the context is capped at the window.
+        if window < limit:
+            logger.info("max_model_len capped at the sliding window (%d tokens)", window)
+        limit = min(limit, window)
+    if config.max_model_len is None:
+        return limit
+    if config.max_model_len > limit:
+        raise ValueError(f"max_model_len={config.max_model_len} exceeds the model's limit of {limit} tokens")
+    return config.max_model_len
+
+
+def resolve_dtype(name: str, hf_config: Any, device: torch.device) -> torch.dtype:
+    if name != "auto":
+        return getattr(torch, name)
+    ckpt = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None) or torch.float32
+    ckpt = getattr(torch, ckpt) if isinstance(ckpt, str) else ckpt
+    if device.type == "cpu" and ckpt != torch.float32:
+        logger.info("dtype auto: float32 (checkpoint is %s; CPUs without native bf16/fp16 GEMMs run "
+                    "them many times slower than float32)", ckpt)
+        return torch.float32
+    logger.info("dtype auto: %s (the checkpoint's)", ckpt)
+    return ckpt
+
+
+def available_memory(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("cannot read available memory from /proc/meminfo; set kv_cache_memory_gb")

@@ -1,0 +1,347 @@
+"""The contracts every implementation follows, one small ABC per kind.
+
+An implementation lives in its own module, registers through a hook in
+:mod:`modserve.core.hookspecs`, and is constructed by the core with the
+arguments documented on each ``__init__`` here plus ``options``: the validated
+pydantic model it declared (or None).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Sequence as Seq
+
+import torch
+from pydantic import BaseModel
+
+from modserve.core.sequence import Sequence
+
+
+# ---------------------------------------------------------------------------
+# Attention
+# ---------------------------------------------------------------------------
+@dataclass(slots=True)
+class AttentionSpec:
+    """The attention shape of a model, fixed at start-up."""
+
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    scale: float
+    block_size: int
+    dtype: torch.dtype
+    device: torch.device
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    """One step's batch layout, built once per step and shared by every layer.
+
+    The batch is the concatenation of each sequence's new tokens ("varlen"):
+    sequence ``i`` owns query rows ``query_start_loc[i] : query_start_loc[i+1]``,
+    at positions ``context_lens[i] .. seq_lens[i] - 1``. A decode is simply a
+    sequence with one new token; a (chunked) prefill has several.
+    """
+
+    num_tokens: int
+    positions: torch.Tensor  # [T] int64
+    slot_mapping: torch.Tensor  # [T] int64: flat cache slot (block * block_size + offset) per new token
+    query_start_loc: torch.Tensor  # [B + 1] int64
+    query_lens: torch.Tensor  # [B] int64
+    context_lens: torch.Tensor  # [B] int64: tokens already in the cache before this step
+    seq_lens: torch.Tensor  # [B] int64: context_lens + query_lens
+    block_tables: torch.Tensor  # [B, max_blocks] int64, rows padded with 0
+    # The same on the host, for backends that loop over sequences.
+    query_lens_cpu: list[int]
+    seq_lens_cpu: list[int]
+    context_lens_cpu: list[int]
+    max_query_len: int
+    max_seq_len: int
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.query_lens_cpu)
+
+
+class AttentionBackend(ABC):
+    """Causal attention over a paged KV cache for a mixed prefill+decode batch.
+
+    Contract: ``forward`` first writes this step's ``k``/``v`` into ``kv_cache``
+    at ``meta.slot_mapping``, then returns, for every query row, attention over
+    that sequence's keys at positions ``<=`` its own (its cached context plus the
+    new tokens), with grouped-query heads (``num_heads % num_kv_heads == 0``).
+    Every backend must give the same result as ``reference`` up to float error.
+    """
+
+    def __init__(self, spec: AttentionSpec, options: BaseModel | None = None) -> None:
+        self.spec = spec
+        self.options = options
+
+    def kv_cache_shape(self, num_blocks: int) -> tuple[int, ...]:
+        """Shape of one layer's cache. Default: [2 (k, v), blocks, block_size, kv_heads, head_dim]."""
+        s = self.spec
+        return (2, num_blocks, s.block_size, s.num_kv_heads, s.head_dim)
+
+    def prepare(self, meta: AttentionMetadata) -> Any:
+        """Per-step work shared by all layers (index tensors, masks). Result goes to ``forward``."""
+        return None
+
+    @abstractmethod
+    def forward(
+        self,
+        q: torch.Tensor,  # [T, H, D]
+        k: torch.Tensor,  # [T, Hkv, D]
+        v: torch.Tensor,  # [T, Hkv, D]
+        kv_cache: torch.Tensor,  # kv_cache_shape(num_blocks)
+        meta: AttentionMetadata,
+        state: Any,
+    ) -> torch.Tensor:  # [T, H, D]
+        ...
+
+
+# ---------------------------------------------------------------------------
+# KV blocks
+# ---------------------------------------------------------------------------
+class KVAllocator(ABC):
+    """Hands out the KV cache's blocks to sequences.
+
+    Contract: block ids are ints in ``[0, num_blocks)``; ``seq.block_ids`` is the
+    sequence's block table, owned by the allocator (callers only read it).
+    ``allocate`` is all-or-nothing. After ``free`` of every live sequence,
+    ``num_free_blocks() == num_blocks``. Allocate and free are O(1) per block.
+    """
+
+    def __init__(self, num_blocks: int, block_size: int, options: BaseModel | None = None) -> None:
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.options = options
+
+    @abstractmethod
+    def num_free_blocks(self) -> int:
+        """Blocks that ``allocate`` could hand out now."""
+
+    def blocks_needed(self, seq: Sequence, num_tokens: int) -> int:
+        """New blocks ``allocate(seq, num_tokens)`` would take."""
+        needed = -(-num_tokens // self.block_size)
+        return max(0, needed - len(seq.block_ids))
+
+    @abstractmethod
+    def allocate(self, seq: Sequence, num_tokens: int) -> bool:
+        """Make ``seq.block_ids`` cover ``num_tokens`` tokens. False (and no change) if short."""
+
+    @abstractmethod
+    def free(self, seq: Sequence) -> None:
+        """Release every block of ``seq`` and empty its table."""
+
+    def match_prefix(self, seq: Sequence) -> int:
+        """Attach cached blocks holding a prefix of ``seq``'s tokens; return how many
+        tokens they cover (skipped by prefill). Allocators without a prefix cache return 0."""
+        return 0
+
+    def mark_computed(self, seq: Sequence) -> None:
+        """Called after a step wrote KV for ``seq.num_computed_tokens`` tokens, so full
+        blocks can be published to a prefix cache. Default: nothing."""
+
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        """Make ``child`` share ``parent``'s blocks (copy-on-write where supported)."""
+        raise NotImplementedError(f"{type(self).__name__} does not support fork")
+
+    def stats(self) -> dict[str, float]:
+        """Counters for engine stats and /metrics."""
+        return {"num_blocks": self.num_blocks, "free_blocks": self.num_free_blocks()}
+
+
+# ---------------------------------------------------------------------------
+# Scheduling
+# ---------------------------------------------------------------------------
+@dataclass(slots=True)
+class SchedulerLimits:
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int
+
+
+@dataclass(slots=True)
+class Schedule:
+    """What a scheduling policy decided for one step.
+
+    ``tokens[seq]`` is how many of ``seq``'s uncomputed tokens to compute now;
+    ``preempt`` lists running sequences to evict (their blocks freed, progress reset).
+    """
+
+    tokens: dict[Sequence, int] = field(default_factory=dict)
+    preempt: list[Sequence] = field(default_factory=list)
+
+
+class SchedulerView(ABC):
+    """What a policy may read: the core's queues, limits and block budget."""
+
+    waiting: Seq[Sequence]  # arrival order (preempted sequences go back in front)
+    running: Seq[Sequence]  # admission order
+    limits: SchedulerLimits
+
+    @abstractmethod
+    def free_blocks(self) -> int: ...
+
+    @abstractmethod
+    def blocks_needed(self, seq: Sequence, num_new_tokens: int) -> int: ...
+
+
+class Scheduler(ABC):
+    """A scheduling policy: picks which sequences run each step and how far.
+
+    Contract: ``schedule`` only reads ``view``. The core validates the result
+    (known sequences, within ``max_num_seqs`` and ``max_num_batched_tokens``,
+    blocks available after the preemptions) and rejects an invalid one with an
+    error naming the plugin. Sequences not mentioned simply wait this step.
+    """
+
+    def __init__(self, limits: SchedulerLimits, options: BaseModel | None = None) -> None:
+        self.limits = limits
+        self.options = options
+
+    @abstractmethod
+    def schedule(self, view: SchedulerView) -> Schedule: ...
+
+
+# ---------------------------------------------------------------------------
+# Sampling
+# ---------------------------------------------------------------------------
+@dataclass(slots=True)
+class SamplingBatch:
+    """Per-row sampling settings for one step, as tensors on the logits' device."""
+
+    temperature: torch.Tensor  # [B] float; 0 = greedy
+    top_k: torch.Tensor  # [B] int64; <= 0 = off
+    top_p: torch.Tensor  # [B] float
+    min_p: torch.Tensor  # [B] float
+    repetition_penalty: torch.Tensor  # [B]
+    presence_penalty: torch.Tensor  # [B]
+    frequency_penalty: torch.Tensor  # [B]
+    all_greedy: bool
+    any_top_k: bool
+    any_top_p: bool
+    any_min_p: bool
+    any_penalty: bool
+    generators: dict[int, torch.Generator]  # row -> seeded generator
+    prompt_token_ids: torch.Tensor | None  # [B, P] padded with vocab_size, only with penalties
+    output_token_ids: torch.Tensor | None  # [B, O] padded with vocab_size, only with penalties
+    banned_token_ids: list[tuple[int, list[int]]]  # (row, ids) never to sample this step (min_tokens)
+    max_num_logprobs: int  # -1 when no row wants logprobs
+
+
+@dataclass(slots=True)
+class SamplerOutput:
+    token_ids: torch.Tensor  # [B] int64
+    logprobs: torch.Tensor | None = None  # [B] logprob of the sampled token
+    ranks: torch.Tensor | None = None  # [B] rank of the sampled token (1 = most likely)
+    top_ids: torch.Tensor | None = None  # [B, K]
+    top_logprobs: torch.Tensor | None = None  # [B, K]
+
+
+class Sampler(ABC):
+    """Turns one row of logits per sequence into the next token.
+
+    Contract: greedy rows (temperature 0) take the argmax of the penalised
+    logits; rows with a generator draw only from it, so a seeded request gives
+    the same tokens whatever else is in the batch. Logprobs are of the model's
+    raw distribution (log_softmax of the unprocessed logits).
+    """
+
+    def __init__(self, vocab_size: int, options: BaseModel | None = None) -> None:
+        self.vocab_size = vocab_size
+        self.options = options
+
+    @abstractmethod
+    def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput: ...
+
+
+# ---------------------------------------------------------------------------
+# Models
+# ---------------------------------------------------------------------------
+class CausalLM(torch.nn.Module):
+    """A model architecture over a flattened (varlen) batch.
+
+    Constructed as ``cls(hf_config, attn_backend, max_positions)`` on the "meta"
+    device; the core moves it to the real device and calls
+    ``load_weights`` with the checkpoint's ``(name, tensor)`` pairs.
+    """
+
+    @abstractmethod
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [T]
+        positions: torch.Tensor,  # [T]
+        kv_caches: list[torch.Tensor],  # one per layer
+        meta: AttentionMetadata,
+        attn_state: Any,
+    ) -> torch.Tensor:  # [T, hidden]
+        ...
+
+    @abstractmethod
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, vocab]
+        ...
+
+    @abstractmethod
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None: ...
+
+
+# ---------------------------------------------------------------------------
+# Kinds whose built-ins arrive with later work; their contracts start here.
+# ---------------------------------------------------------------------------
+class Quantizer(ABC):
+    """Replaces a linear layer's weights with a quantized form and runs its matmul."""
+
+    def __init__(self, options: BaseModel | None = None) -> None:
+        self.options = options
+
+    @abstractmethod
+    def quantize_linear(self, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.nn.Module:
+        """Return a module computing ``x @ weight.T + bias`` from quantized weights."""
+
+
+class GrammarMatcher(ABC):
+    """Per-request constrained-decoding state."""
+
+    @abstractmethod
+    def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None: ...
+
+    @abstractmethod
+    def accept_token(self, token_id: int) -> bool: ...
+
+    @abstractmethod
+    def rollback(self, num_tokens: int) -> None: ...
+
+    @abstractmethod
+    def is_terminated(self) -> bool: ...
+
+    @abstractmethod
+    def reset(self) -> None: ...
+
+
+class GrammarBackend(ABC):
+    """Compiles guided-decoding specs for a tokenizer and makes matchers."""
+
+    def __init__(self, tokenizer: Any, vocab_size: int, options: BaseModel | None = None) -> None:
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.options = options
+
+    @abstractmethod
+    def compile(self, kind: str, spec: Any) -> Any: ...
+
+    @abstractmethod
+    def matcher(self, compiled: Any) -> GrammarMatcher: ...
+
+
+class Proposer(ABC):
+    """Proposes draft tokens for speculative decoding."""
+
+    def __init__(self, num_speculative_tokens: int, options: BaseModel | None = None) -> None:
+        self.k = num_speculative_tokens
+        self.options = options
+
+    @abstractmethod
+    def propose(self, seqs: list[Sequence]) -> list[list[int]]: ...

@@ -1,0 +1,110 @@
+"""The offline API: ``LLM(model=...).generate(prompts, params)``, as in vLLM."""
+
+from __future__ import annotations
+
+from itertools import count
+from pathlib import Path
+from typing import Any, Sequence as Seq
+
+from tqdm import tqdm
+
+from modserve.core.config import EngineConfig, load_config_file
+from modserve.core.engine import LLMEngine
+from modserve.core.outputs import RequestOutput
+from modserve.core.registry import Registry
+from modserve.core.sampling_params import SamplingParams
+
+Prompt = str | list[int]
+Messages = list[dict[str, Any]]
+
+
+class LLM:
+    """An engine for offline batches. ``LLM(model=path, **overrides)`` takes any
+    :class:`EngineConfig` field as a keyword; ``LLM.from_config(file, **overrides)``."""
+
+    def __init__(self, model: str | None = None, *, config: EngineConfig | None = None,
+                 registry: Registry | None = None, progress: bool = True, **overrides: Any) -> None:
+        data = config.model_dump() if config is not None else {}
+        if model:
+            data["model"] = model
+        config = EngineConfig.from_dict(data, **overrides)
+        self.config = config
+        self.engine = LLMEngine(config, registry=registry, progress=progress)
+        self._ids = count()
+
+    @classmethod
+    def from_config(cls, path: str | Path, **overrides: Any) -> "LLM":
+        registry = overrides.pop("registry", None)
+        progress = overrides.pop("progress", True)
+        config = EngineConfig.from_dict(load_config_file(path), **overrides)
+        return cls(config=config, registry=registry, progress=progress)
+
+    def get_tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: Prompt | Seq[Prompt],
+        sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Run every prompt to completion; outputs come back in input order."""
+        prompts = _as_prompt_list(prompts)
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            params = [sampling_params or SamplingParams()] * len(prompts)
+        else:
+            params = list(sampling_params)
+            if len(params) != len(prompts):
+                raise ValueError(f"sampling_params has {len(params)} entries for {len(prompts)} prompts")
+        order = {}
+        try:
+            for prompt, p in zip(prompts, params):
+                rid = f"offline-{next(self._ids)}"
+                self.engine.add_request(rid, prompt, p)
+                order[rid] = len(order)
+        except Exception:
+            for rid in order:  # nothing half-submitted stays behind
+                self.engine.abort_request(rid)
+            raise
+        return self._run(order, use_tqdm)
+
+    def chat(
+        self,
+        messages: Messages | Seq[Messages],
+        sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Apply the tokenizer's chat template to each conversation, then generate."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        tok = self.engine.tokenizer
+        prompts = [tok.encode(tok.apply_chat_template(c), add_special_tokens=False) for c in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def _run(self, order: dict[str, int], use_tqdm: bool) -> list[RequestOutput]:
+        results: list[RequestOutput | None] = [None] * len(order)
+        bar = tqdm(total=len(order), desc="Generating", unit="req", disable=not use_tqdm)
+        out_tokens = 0
+        try:
+            while self.engine.has_unfinished_requests():
+                for out in self.engine.step():
+                    if out.finished:
+                        results[order[out.request_id]] = out
+                        out_tokens += sum(len(c.token_ids) for c in out.outputs)
+                        bar.update(1)
+                        bar.set_postfix(out_tok_s=f"{out_tokens / max(bar.format_dict['elapsed'], 1e-9):.1f}")
+        except BaseException:
+            for rid in list(self.engine.requests):
+                self.engine.abort_request(rid)
+            raise
+        finally:
+            bar.close()
+        return results  # type: ignore[return-value]
+
+
+def _as_prompt_list(prompts: Prompt | Seq[Prompt]) -> list[Prompt]:
+    if isinstance(prompts, str):
+        return [prompts]
+    prompts = list(prompts)
+    if prompts and isinstance(prompts[0], int):
+        return [prompts]  # one tokenized prompt
+    return prompts

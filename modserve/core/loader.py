@@ -1,0 +1,60 @@
+"""Reads a Hugging Face checkpoint directory: config, weights, generation config. No network."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+from safetensors import safe_open
+from tqdm import tqdm
+from transformers import AutoConfig
+
+
+def load_hf_config(model_dir: str | Path) -> Any:
+    path = Path(model_dir)
+    if not (path / "config.json").is_file():
+        raise ValueError(f"model directory {path} has no config.json")
+    return AutoConfig.from_pretrained(path, local_files_only=True)
+
+
+def weight_files(model_dir: str | Path) -> list[Path]:
+    """The checkpoint's weight files: the sharded index if present, else every safetensors file."""
+    path = Path(model_dir)
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        return [path / s for s in shards]
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        files = sorted(path.glob("pytorch_model*.bin"))
+    if not files:
+        raise ValueError(f"model directory {path} has no *.safetensors or pytorch_model*.bin weights")
+    return files
+
+
+def iter_weights(model_dir: str | Path, progress: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) for every tensor of the checkpoint, one file at a time."""
+    files = weight_files(model_dir)
+    bar = tqdm(total=len(files), desc="Loading weights", unit="file", disable=not progress)
+    for file in files:
+        if file.suffix == ".safetensors":
+            with safe_open(str(file), framework="pt") as f:
+                for name in f.keys():
+                    yield name, f.get_tensor(name)
+        else:
+            yield from torch.load(file, map_location="cpu", weights_only=True, mmap=True).items()
+        bar.update(1)
+    bar.close()
+
+
+def generation_eos_ids(model_dir: str | Path) -> set[int]:
+    """EOS ids from generation_config.json (an int or a list), if the file exists."""
+    path = Path(model_dir) / "generation_config.json"
+    if not path.is_file():
+        return set()
+    eos = json.loads(path.read_text()).get("eos_token_id")
+    if eos is None:
+        return set()
+    return {eos} if isinstance(eos, int) else set(eos)

@@ -1,0 +1,171 @@
+"""Turns a scheduled step into one forward pass and one sampling call."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import numpy as np
+import torch
+
+from modserve.core.config import EngineConfig
+from modserve.core.interfaces import AttentionMetadata, AttentionSpec, SamplerOutput, SamplingBatch
+from modserve.core.loader import iter_weights
+from modserve.core.registry import Registry
+from modserve.core.sequence import Sequence
+
+logger = logging.getLogger("modserve")
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, hf_config: Any, registry: Registry, dtype: torch.dtype,
+                 max_model_len: int, eos_token_ids: set[int], progress: bool = True) -> None:
+        self.config = config
+        self.eos_token_ids = sorted(eos_token_ids)
+        self.hf_config = hf_config
+        self.device = torch.device(config.device)
+        self.dtype = dtype
+        self.block_size = config.block_size
+        num_heads = hf_config.num_attention_heads
+        head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // num_heads
+        self.attn_spec = AttentionSpec(
+            num_layers=hf_config.num_hidden_layers,
+            num_heads=num_heads,
+            num_kv_heads=getattr(hf_config, "num_key_value_heads", None) or num_heads,
+            head_dim=head_dim,
+            scale=head_dim**-0.5,
+            block_size=config.block_size,
+            dtype=dtype,
+            device=self.device,
+        )
+        self.attn = registry.create("attention_backend", config.attention_backend, self.attn_spec)
+        self.vocab_size = hf_config.vocab_size
+        self.sampler = registry.create("sampler", config.sampler, self.vocab_size)
+        self.model = self._load_model(registry, max_model_len, progress)
+        self.kv_caches: list[torch.Tensor] = []
+
+    def _load_model(self, registry: Registry, max_model_len: int, progress: bool) -> torch.nn.Module:
+        archs = getattr(self.hf_config, "architectures", None) or []
+        if not archs:
+            raise ValueError("config.json names no 'architectures'")
+        model_cls = registry.load("model_architecture", archs[0])
+        with torch.device("meta"):
+            model = model_cls(self.hf_config, self.attn, max_model_len)
+        model = model.to_empty(device=self.device).to(self.dtype)
+        model.load_weights(iter_weights(self.config.model, progress=progress))
+        return model.eval()
+
+    # -- KV cache -----------------------------------------------------------------
+    def kv_bytes_per_block(self) -> int:
+        shape = self.attn.kv_cache_shape(1)
+        return int(np.prod(shape)) * self.dtype.itemsize * self.attn_spec.num_layers
+
+    def allocate_kv_cache(self, num_blocks: int) -> None:
+        # Zeroed once: masked-out slots must hold finite values (0 * NaN would poison attention).
+        shape = self.attn.kv_cache_shape(num_blocks)
+        self.kv_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device)
+                          for _ in range(self.attn_spec.num_layers)]
+
+    # -- one step -------------------------------------------------------------------
+    @torch.inference_mode()
+    def execute(self, seqs: list[Sequence], num_new_tokens: list[int]) -> tuple[list[Sequence], SamplerOutput | None]:
+        """Run the model on each sequence's next ``num_new_tokens`` tokens; sample for the
+        sequences whose last token this step reaches. Returns (sampled sequences, samples)."""
+        input_ids, meta, logits_rows, sampled = self._prepare(seqs, num_new_tokens)
+        state = self.attn.prepare(meta)
+        hidden = self.model(input_ids, meta.positions, self.kv_caches, meta, state)  # [T, hidden]
+        if not sampled:
+            return [], None
+        logits = self.model.compute_logits(hidden[logits_rows])  # [S, vocab]
+        return sampled, self.sampler(logits, self._sampling_batch(sampled))
+
+    def _prepare(self, seqs: list[Sequence], num_new_tokens: list[int]):
+        ctx_list = [s.num_computed_tokens for s in seqs]
+        ids: list[int] = []
+        for seq, c, n in zip(seqs, ctx_list, num_new_tokens):
+            ids.extend(seq.token_ids[c : c + n])
+        dev = self.device
+        q_lens = torch.tensor(num_new_tokens, dtype=torch.int64)
+        ctx = torch.tensor(ctx_list, dtype=torch.int64)
+        seq_lens = ctx + q_lens
+        cu = torch.zeros(len(seqs) + 1, dtype=torch.int64)
+        torch.cumsum(q_lens, 0, out=cu[1:])
+        num_tokens = int(cu[-1])
+        # position of token t = t - start of its sequence's rows + that sequence's context length
+        positions = torch.arange(num_tokens) + torch.repeat_interleave(ctx - cu[:-1], q_lens)
+        max_blocks = max(len(s.block_ids) for s in seqs)
+        table = np.zeros((len(seqs), max_blocks), dtype=np.int64)
+        for i, seq in enumerate(seqs):
+            table[i, : len(seq.block_ids)] = seq.block_ids
+        block_tables = torch.from_numpy(table)
+        rows = torch.repeat_interleave(torch.arange(len(seqs)), q_lens)
+        slot_mapping = block_tables[rows, positions // self.block_size] * self.block_size + positions % self.block_size
+        done = [c + n == s.num_tokens for s, c, n in zip(seqs, ctx_list, num_new_tokens)]
+        sampled = [s for s, d in zip(seqs, done) if d]
+        logits_rows = (cu[1:] - 1)[torch.tensor(done, dtype=torch.bool)]
+        meta = AttentionMetadata(
+            num_tokens=num_tokens,
+            positions=positions.to(dev),
+            slot_mapping=slot_mapping.to(dev),
+            query_start_loc=cu.to(dev),
+            query_lens=q_lens.to(dev),
+            context_lens=ctx.to(dev),
+            seq_lens=seq_lens.to(dev),
+            block_tables=block_tables.to(dev),
+            query_lens_cpu=list(num_new_tokens),
+            seq_lens_cpu=seq_lens.tolist(),
+            context_lens_cpu=ctx_list,
+            max_query_len=max(num_new_tokens),
+            max_seq_len=int(seq_lens.max()),
+        )
+        input_ids = torch.tensor(ids, dtype=torch.int64, device=dev)
+        return input_ids, meta, logits_rows.to(dev), sampled
+
+    def _sampling_batch(self, seqs: list[Sequence]) -> SamplingBatch:
+        params = [s.params for s in seqs]
+        dev = self.device
+
+        def col(values: list, dtype: torch.dtype) -> torch.Tensor:
+            return torch.tensor(values, dtype=dtype, device=dev)
+
+        temperature = [p.temperature for p in params]
+        top_k = [p.top_k if p.top_k > 0 else 0 for p in params]
+        any_penalty = any(
+            p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty for p in params
+        )
+        prompt_ids = output_ids = None
+        if any_penalty:
+            prompt_ids = self._padded([s.prompt_token_ids for s in seqs])
+            output_ids = self._padded([s.output_token_ids for s in seqs])
+        banned = []
+        for row, seq in enumerate(seqs):
+            if seq.num_output_tokens < seq.params.min_tokens:
+                stop_ids = list(seq.params.stop_token_ids) + self.eos_token_ids
+                banned.append((row, stop_ids))
+        want = [p.logprobs for p in params if p.logprobs is not None]
+        return SamplingBatch(
+            temperature=col(temperature, torch.float32),
+            top_k=col(top_k, torch.int64),
+            top_p=col([p.top_p for p in params], torch.float32),
+            min_p=col([p.min_p for p in params], torch.float32),
+            repetition_penalty=col([p.repetition_penalty for p in params], torch.float32),
+            presence_penalty=col([p.presence_penalty for p in params], torch.float32),
+            frequency_penalty=col([p.frequency_penalty for p in params], torch.float32),
+            all_greedy=all(t == 0.0 for t in temperature),
+            any_top_k=any(k > 0 for k in top_k),
+            any_top_p=any(p.top_p < 1.0 for p in params),
+            any_min_p=any(p.min_p > 0.0 for p in params),
+            any_penalty=any_penalty,
+            generators={i: s.generator for i, s in enumerate(seqs) if s.generator is not None},
+            prompt_token_ids=prompt_ids,
+            output_token_ids=output_ids,
+            banned_token_ids=banned,
+            max_num_logprobs=max(want) if want else -1,
+        )
+
+    def _padded(self, rows: list[list[int]]) -> torch.Tensor:
+        width = max((len(r) for r in rows), default=0)
+        out = np.full((len(rows), max(width, 1)), self.vocab_size, dtype=np.int64)
+        for i, r in enumerate(rows):
+            out[i, : len(r)] = r
+        return torch.from_numpy(out).to(self.device)

@@ -1,0 +1,66 @@
+"""The state of one sequence as it moves through the engine."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any
+
+from modserve.core.sampling_params import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(slots=True, eq=False)
+class Sequence:
+    """One sequence: its tokens, how many have KV in the cache, and its blocks.
+
+    NOTE: ``num_computed_tokens`` is the only progress counter. A step computes
+    ``token_ids[num_computed_tokens : num_computed_tokens + n]``; prefill, chunked
+    prefill, decode and recompute after preemption are all that one rule.
+    """
+
+    seq_id: int
+    request_id: str
+    token_ids: list[int]
+    num_prompt_tokens: int
+    params: SamplingParams
+    arrival_time: float
+    index: int = 0  # which of the request's n samples this is
+    num_computed_tokens: int = 0
+    block_ids: list[int] = field(default_factory=list)
+    status: SequenceStatus = SequenceStatus.WAITING
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    num_preemptions: int = 0
+    # Filled by the engine's output side.
+    logprobs: list[dict[str, Any]] = field(default_factory=list)
+    text: str = ""
+    generator: Any = None  # torch.Generator for seeded requests
+    first_token_time: float | None = None
+    token_times: list[float] = field(default_factory=list)
+    detok: Any = None  # incremental detokenizer state
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.token_ids[: self.num_prompt_tokens]
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED

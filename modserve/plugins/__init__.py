@@ -1,0 +1,1 @@
+"""Built-in plugins: KV allocators, schedulers (later: grammar backends, proposers)."""

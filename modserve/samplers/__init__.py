@@ -1,0 +1,19 @@
+"""Built-in samplers, registered through the ``modserve`` entry point like any plugin.
+
+Registration imports nothing heavy: the target is a string, imported only when
+the sampler is selected.
+"""
+
+from __future__ import annotations
+
+from modserve.core.hookspecs import Register, hookimpl
+
+
+@hookimpl
+def register_samplers(register: Register) -> None:
+    register(
+        "default",
+        "modserve.samplers.default:DefaultSampler",
+        description="greedy, temperature, top-k/top-p/min-p, repetition/presence/frequency "
+        "penalties and per-request seeds (vLLM semantics)",
+    )

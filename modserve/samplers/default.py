@@ -1,0 +1,125 @@
+"""The built-in sampler: penalties, temperature, top-k / top-p / min-p, seeded rows.
+
+Everything is batched over rows; the only Python loops are over banned-token
+rows and seeded rows, which need per-row work by nature.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from modserve.core.interfaces import Sampler, SamplerOutput, SamplingBatch
+
+_NEG_INF = float("-inf")
+
+
+def _token_counts(ids: torch.Tensor, vocab_size: int, num_cols: int) -> torch.Tensor:
+    """Per-row occurrence counts [B, V] of ``ids`` [B, L]; ids >= vocab_size are padding."""
+    B = ids.shape[0]
+    # Padding goes to an extra column that is dropped, so no masking pass is needed.
+    ids = torch.where(ids >= min(vocab_size, num_cols), num_cols, ids)  # [B, L]
+    counts = torch.zeros(B, num_cols + 1, dtype=torch.float32, device=ids.device)  # [B, V+1]
+    counts.scatter_add_(1, ids, torch.ones_like(ids, dtype=torch.float32))
+    return counts[:, :num_cols]  # [B, V]
+
+
+def apply_penalties(logits: torch.Tensor, batch: SamplingBatch, vocab_size: int) -> torch.Tensor:
+    """Repetition (HF: prompt + output), presence and frequency (OpenAI: output only)."""
+    B, V = logits.shape
+    zeros = torch.zeros_like(logits)
+    out_counts = (
+        _token_counts(batch.output_token_ids, vocab_size, V) if batch.output_token_ids is not None else zeros
+    )  # [B, V]
+    seen = out_counts > 0  # [B, V] bool
+    if batch.prompt_token_ids is not None:
+        seen = seen | (_token_counts(batch.prompt_token_ids, vocab_size, V) > 0)
+    rep = batch.repetition_penalty.to(logits.dtype).unsqueeze(1)  # [B, 1]
+    # HF-style: always move the logit towards "less likely", whatever its sign.
+    penalised = torch.where(logits > 0, logits / rep, logits * rep)  # [B, V]
+    logits = torch.where(seen, penalised, logits)
+    presence = batch.presence_penalty.to(logits.dtype).unsqueeze(1)  # [B, 1]
+    frequency = batch.frequency_penalty.to(logits.dtype).unsqueeze(1)  # [B, 1]
+    return logits - presence * (out_counts > 0) - frequency * out_counts
+
+
+def apply_top_k_top_p(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """Mask (to -inf) tokens outside each row's top-k and nucleus; one sort serves both."""
+    B, V = logits.shape
+    sorted_logits, order = logits.sort(dim=-1, descending=True)  # [B, V] each
+    pos = torch.arange(V, device=logits.device).expand(B, V)  # [B, V]
+    if batch.any_top_k:
+        k = batch.top_k
+        k = torch.where((k <= 0) | (k > V), V, k).unsqueeze(1)  # [B, 1]; off -> keep all
+        # By sorted position, so ties at the k-th value still keep exactly k tokens.
+        sorted_logits = sorted_logits.masked_fill(pos >= k, _NEG_INF)
+    if batch.any_top_p:
+        probs = sorted_logits.softmax(dim=-1)  # [B, V], after top-k
+        before = probs.cumsum(dim=-1) - probs  # [B, V] mass of strictly better tokens
+        top_p = batch.top_p.to(probs.dtype).unsqueeze(1)  # [B, 1]
+        # Drop a token once the better ones already reach top_p. The first token has
+        # before == 0 < top_p, so it always stays; rows with top_p == 1 are skipped to
+        # avoid cutting the tail on float rounding of the cumsum.
+        drop = (before >= top_p) & (top_p < 1.0)
+        sorted_logits = sorted_logits.masked_fill(drop, _NEG_INF)
+    return torch.empty_like(logits).scatter_(1, order, sorted_logits)
+
+
+def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Mask tokens whose probability is below ``min_p`` times the row's top probability."""
+    probs = logits.softmax(dim=-1)  # [B, V]
+    threshold = min_p.to(probs.dtype).unsqueeze(1) * probs.amax(dim=-1, keepdim=True)  # [B, 1]
+    return logits.masked_fill(probs < threshold, _NEG_INF)
+
+
+def exponential_race(probs: torch.Tensor, generators: dict[int, torch.Generator]) -> torch.Tensor:
+    """Sample one token per row: argmax(probs / q), q ~ Exp(1), which is a draw from probs.
+
+    Seeded rows take q only from their own generator, so their tokens do not depend
+    on the batch around them; the rest share one batched draw from the global RNG.
+    """
+    B, V = probs.shape
+    q = torch.empty_like(probs).exponential_()  # [B, V]
+    for row, gen in generators.items():
+        q[row] = torch.empty(V, dtype=probs.dtype, device=probs.device).exponential_(generator=gen)
+    # exponential_ may return exactly 0; 0/0 = NaN would win argmax, so floor it.
+    q.clamp_(min=torch.finfo(q.dtype).tiny)
+    return (probs / q).argmax(dim=-1)  # [B]
+
+
+class DefaultSampler(Sampler):
+    """Greedy, temperature, top-k, top-p, min-p and penalties, as in vLLM."""
+
+    def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
+        # Logprobs are of the raw model distribution, before any processing.
+        raw_logprobs = logits.float().log_softmax(dim=-1) if batch.max_num_logprobs >= 0 else None  # [B, V]
+        logits = logits.to(torch.float32, copy=True)  # [B, V]; ours to modify in place
+
+        for row, ids in batch.banned_token_ids:
+            logits[row, ids] = _NEG_INF
+        if batch.any_penalty:
+            logits = apply_penalties(logits, batch, self.vocab_size)
+
+        greedy = logits.argmax(dim=-1)  # [B]
+        if batch.all_greedy:
+            token_ids = greedy
+        else:
+            temperature = batch.temperature.to(logits.dtype)
+            is_greedy = temperature == 0  # [B]
+            # Greedy rows take the argmax anyway; 1.0 only keeps their maths finite.
+            temperature = torch.where(is_greedy, 1.0, temperature)
+            logits = logits / temperature.unsqueeze(1)
+            if batch.any_top_k or batch.any_top_p:
+                logits = apply_top_k_top_p(logits, batch)
+            if batch.any_min_p:
+                logits = apply_min_p(logits, batch.min_p)
+            sampled = exponential_race(logits.softmax(dim=-1), batch.generators)  # [B]
+            token_ids = torch.where(is_greedy, greedy, sampled)
+
+        out = SamplerOutput(token_ids=token_ids)
+        if raw_logprobs is not None:
+            out.logprobs = raw_logprobs.gather(1, token_ids.unsqueeze(1)).squeeze(1)  # [B]
+            out.ranks = (raw_logprobs > out.logprobs.unsqueeze(1)).sum(dim=-1) + 1  # [B]
+            k = min(batch.max_num_logprobs, raw_logprobs.shape[-1])
+            if k > 0:
+                out.top_logprobs, out.top_ids = raw_logprobs.topk(k, dim=-1)  # [B, K] each, sorted
+        return out

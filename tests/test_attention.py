@@ -1,0 +1,300 @@
+"""The built-in attention backends against a naive float64 implementation."""
+
+from __future__ import annotations
+
+import math
+import subprocess
+import sys
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from modserve.attention_backends.paged import PagedAttention, PagedAttentionState
+from modserve.attention_backends.reference import ReferenceAttention
+from modserve.core.interfaces import AttentionMetadata, AttentionSpec
+
+BACKENDS = {"reference": ReferenceAttention, "paged": PagedAttention}
+
+# (context_len, query_len) per sequence.
+MIXED = [
+    (37, 1),  # decode
+    (0, 13),  # fresh prefill
+    (100, 1),  # decode, long context
+    (20, 7),  # chunked prefill: cached context plus new tokens
+    (5, 1),  # decode, short context
+    (0, 1),  # one-token prompt: a "decode" with nothing cached
+    (16, 16),  # block-aligned chunked prefill
+    (63, 1),  # decode ending on a block boundary (block_size 4 and 16)
+]
+HEADS = [(8, 2), (4, 4)]  # (num_heads, num_kv_heads): GQA and MHA
+
+
+@dataclass
+class Case:
+    spec: AttentionSpec
+    meta: AttentionMetadata
+    q: torch.Tensor  # [T, H, D]
+    k: torch.Tensor  # [T, Hkv, D]
+    v: torch.Tensor  # [T, Hkv, D]
+    kv_cache: torch.Tensor  # [2, N, bs, Hkv, D], context KV written, everything else stale
+    ctx_k: list[torch.Tensor]  # per sequence [context_len, Hkv, D]
+    ctx_v: list[torch.Tensor]
+
+
+def make_case(
+    seqs: list[tuple[int, int]],
+    *,
+    block_size: int,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int = 32,
+    dtype: torch.dtype = torch.float32,
+    seed: int = 0,
+    data_seed: int | None = None,
+    spare_blocks: int = 7,
+) -> Case:
+    """A batch with each sequence's blocks scattered at random over a pool.
+
+    Every cache slot not holding a sequence's context starts with random (stale)
+    values, so a backend that attends to a slot it should not shows up. ``seed``
+    draws the block tables, ``data_seed`` (default: ``seed``) the tensors.
+    """
+    g = torch.Generator().manual_seed(seed)
+    ctx_lens = [c for c, _ in seqs]
+    q_lens = [n for _, n in seqs]
+    seq_lens = [c + n for c, n in seqs]
+    blocks_per_seq = [-(-s // block_size) for s in seq_lens]
+    num_blocks = sum(blocks_per_seq) + spare_blocks
+    pool = torch.randperm(num_blocks, generator=g).tolist()
+    max_blocks = max(blocks_per_seq)
+    tables = torch.zeros(len(seqs), max_blocks, dtype=torch.long)
+    for i, nb in enumerate(blocks_per_seq):
+        tables[i, :nb] = torch.tensor([pool.pop() for _ in range(nb)])
+
+    def slot(i: int, pos: int) -> int:
+        return int(tables[i, pos // block_size]) * block_size + pos % block_size
+
+    gd = torch.Generator().manual_seed(seed if data_seed is None else data_seed)
+
+    def rand(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gd).to(dtype)
+
+    kv_cache = rand(2, num_blocks, block_size, num_kv_heads, head_dim) * 3  # stale everywhere
+    flat = kv_cache.view(2, -1, num_kv_heads, head_dim)
+    ctx_k, ctx_v = [], []
+    for i, c in enumerate(ctx_lens):
+        ck, cv = rand(c, num_kv_heads, head_dim), rand(c, num_kv_heads, head_dim)
+        slots = torch.tensor([slot(i, p) for p in range(c)], dtype=torch.long)
+        flat[0, slots], flat[1, slots] = ck, cv
+        ctx_k.append(ck)
+        ctx_v.append(cv)
+
+    num_tokens = sum(q_lens)
+    positions = torch.cat([torch.arange(c, s) for c, s in zip(ctx_lens, seq_lens)])
+    slot_mapping = torch.tensor(
+        [slot(i, p) for i, (c, s) in enumerate(zip(ctx_lens, seq_lens)) for p in range(c, s)],
+        dtype=torch.long,
+    )
+    query_lens = torch.tensor(q_lens, dtype=torch.long)
+    meta = AttentionMetadata(
+        num_tokens=num_tokens,
+        positions=positions,
+        slot_mapping=slot_mapping,
+        query_start_loc=torch.cat([torch.zeros(1, dtype=torch.long), query_lens.cumsum(0)]),
+        query_lens=query_lens,
+        context_lens=torch.tensor(ctx_lens, dtype=torch.long),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.long),
+        block_tables=tables,
+        query_lens_cpu=q_lens,
+        seq_lens_cpu=seq_lens,
+        context_lens_cpu=ctx_lens,
+        max_query_len=max(q_lens),
+        max_seq_len=max(seq_lens),
+    )
+    spec = AttentionSpec(
+        num_layers=1,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        scale=1.0 / math.sqrt(head_dim),
+        block_size=block_size,
+        dtype=dtype,
+        device=torch.device("cpu"),
+    )
+    return Case(
+        spec,
+        meta,
+        rand(num_tokens, num_heads, head_dim),
+        rand(num_tokens, num_kv_heads, head_dim),
+        rand(num_tokens, num_kv_heads, head_dim),
+        kv_cache,
+        ctx_k,
+        ctx_v,
+    )
+
+
+def naive_attention(case: Case) -> torch.Tensor:
+    """Full attention per sequence over its explicitly concatenated K/V, in float64."""
+    spec, meta = case.spec, case.meta
+    group = spec.num_heads // spec.num_kv_heads
+    out = torch.zeros(case.q.shape, dtype=torch.float64)
+    start = 0
+    for i, (c, n) in enumerate(zip(meta.context_lens_cpu, meta.query_lens_cpu)):
+        q = case.q[start : start + n].double()  # [n, H, D]
+        keys = torch.cat([case.ctx_k[i], case.k[start : start + n]]).double()  # [c+n, Hkv, D]
+        values = torch.cat([case.ctx_v[i], case.v[start : start + n]]).double()
+        for h in range(spec.num_heads):
+            kh, vh = keys[:, h // group], values[:, h // group]  # [L, D]
+            scores = q[:, h] @ kh.T * spec.scale  # [n, L]
+            future = torch.arange(c + n)[None, :] > (c + torch.arange(n))[:, None]
+            scores = scores.masked_fill(future, float("-inf"))
+            out[start : start + n, h] = torch.softmax(scores, dim=-1) @ vh
+        start += n
+    return out
+
+
+def run_backend(name: str, case: Case, kv_cache: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    backend = BACKENDS[name](case.spec)
+    cache = case.kv_cache.clone() if kv_cache is None else kv_cache
+    assert tuple(cache.shape) == backend.kv_cache_shape(cache.shape[1])
+    state = backend.prepare(case.meta)
+    out = backend.forward(case.q, case.k, case.v, cache, case.meta, state)
+    assert out.shape == case.q.shape and out.dtype == case.q.dtype
+    return out, cache
+
+
+def check_cache(case: Case, cache: torch.Tensor) -> None:
+    """New k/v sit at their slots; every other slot is untouched."""
+    hkv, d = case.spec.num_kv_heads, case.spec.head_dim
+    flat, before = cache.view(2, -1, hkv, d), case.kv_cache.view(2, -1, hkv, d)
+    sm = case.meta.slot_mapping
+    torch.testing.assert_close(flat[0, sm], case.k, rtol=0, atol=0)
+    torch.testing.assert_close(flat[1, sm], case.v, rtol=0, atol=0)
+    untouched = torch.ones(flat.shape[1], dtype=torch.bool)
+    untouched[sm] = False
+    torch.testing.assert_close(flat[:, untouched], before[:, untouched], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("backend", sorted(BACKENDS))
+@pytest.mark.parametrize("heads", HEADS, ids=lambda h: f"h{h[0]}kv{h[1]}")
+@pytest.mark.parametrize("block_size", [4, 16])
+def test_mixed_batch_matches_naive(backend: str, heads: tuple[int, int], block_size: int) -> None:
+    case = make_case(MIXED, block_size=block_size, num_heads=heads[0], num_kv_heads=heads[1], seed=block_size)
+    out, cache = run_backend(backend, case)
+    torch.testing.assert_close(out.double(), naive_attention(case), rtol=0, atol=1e-5)
+    check_cache(case, cache)
+
+
+@pytest.mark.parametrize("backend", sorted(BACKENDS))
+@pytest.mark.parametrize(
+    "seqs",
+    [
+        [(40, 1), (3, 1), (0, 1), (15, 1)],  # decodes only
+        [(0, 9)],  # one fresh prefill
+        [(0, 5), (0, 17), (12, 3)],  # prefills only
+        [(31, 2), (7, 1)],  # two-token chunk (e.g. speculative verify) next to a decode
+    ],
+    ids=["decodes", "one-prefill", "prefills", "short-chunk"],
+)
+def test_batch_shapes(backend: str, seqs: list[tuple[int, int]]) -> None:
+    case = make_case(seqs, block_size=4, num_heads=8, num_kv_heads=2, seed=len(seqs))
+    out, cache = run_backend(backend, case)
+    torch.testing.assert_close(out.double(), naive_attention(case), rtol=0, atol=1e-5)
+    check_cache(case, cache)
+
+
+def test_backends_agree() -> None:
+    case = make_case(MIXED * 2, block_size=16, num_heads=8, num_kv_heads=2, seed=3)
+    ref, ref_cache = run_backend("reference", case)
+    paged, paged_cache = run_backend("paged", case)
+    torch.testing.assert_close(paged, ref, rtol=0, atol=1e-5)
+    torch.testing.assert_close(paged_cache, ref_cache, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("backend", sorted(BACKENDS))
+def test_strided_qkv_views(backend: str) -> None:
+    """q/k/v as views of one fused projection output, as models produce them."""
+    case = make_case(MIXED, block_size=4, num_heads=8, num_kv_heads=2, seed=5)
+    t, d = case.meta.num_tokens, case.spec.head_dim
+    fused = torch.cat([case.q.reshape(t, -1), case.k.reshape(t, -1), case.v.reshape(t, -1)], dim=1)
+    q, k, v = fused.split([8 * d, 2 * d, 2 * d], dim=1)
+    q, k, v = q.view(t, 8, d), k.view(t, 2, d), v.view(t, 2, d)
+    assert not q.is_contiguous()
+    backend = BACKENDS[backend](case.spec)
+    cache = case.kv_cache.clone()
+    out = backend.forward(q, k, v, cache, case.meta, backend.prepare(case.meta))
+    torch.testing.assert_close(out.double(), naive_attention(case), rtol=0, atol=1e-5)
+    check_cache(case, cache)
+
+
+@pytest.mark.parametrize("backend", sorted(BACKENDS))
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision(backend: str, dtype: torch.dtype) -> None:
+    case = make_case(MIXED, block_size=16, num_heads=8, num_kv_heads=2, dtype=dtype, seed=7)
+    out, cache = run_backend(backend, case)
+    assert out.dtype == dtype
+    torch.testing.assert_close(out.double(), naive_attention(case), rtol=0, atol=5e-2)
+    check_cache(case, cache)
+
+
+def test_paged_state_shared_across_layers() -> None:
+    """One prepare per step serves every layer (each with its own cache and k/v)."""
+    case = make_case(MIXED, block_size=4, num_heads=8, num_kv_heads=2, seed=11)
+    backend = PagedAttention(case.spec)
+    state = backend.prepare(case.meta)
+    assert isinstance(state, PagedAttentionState)
+    assert state.num_decodes == 5 and not state.all_decodes
+    assert [p.blocks is None for p in state.prefills] == [True, False, False]
+    for layer in range(3):
+        # Same layout (table seed), different data per layer.
+        layer_case = make_case(MIXED, block_size=4, num_heads=8, num_kv_heads=2, seed=11, data_seed=100 + layer)
+        assert torch.equal(layer_case.meta.block_tables, case.meta.block_tables)
+        cache = layer_case.kv_cache.clone()
+        out = backend.forward(layer_case.q, layer_case.k, layer_case.v, cache, case.meta, state)
+        torch.testing.assert_close(out.double(), naive_attention(layer_case), rtol=0, atol=1e-5)
+
+
+def test_paged_reused_across_steps() -> None:
+    """One backend instance over steps of growing and shrinking size and changing dtype
+    (it keeps scratch buffers between calls)."""
+    backend = None
+    steps = [MIXED, [(3, 1), (0, 4)], MIXED * 3, [(200, 1)] * 6, MIXED]
+    for step, seqs in enumerate(steps):
+        for dtype in (torch.float32, torch.bfloat16):
+            case = make_case(seqs, block_size=4, num_heads=8, num_kv_heads=2, dtype=dtype, seed=20 + step)
+            backend = backend or PagedAttention(case.spec)
+            out = backend.forward(case.q, case.k, case.v, case.kv_cache.clone(), case.meta, backend.prepare(case.meta))
+            atol = 1e-5 if dtype == torch.float32 else 5e-2
+            torch.testing.assert_close(out.double(), naive_attention(case), rtol=0, atol=atol)
+
+
+def test_paged_without_prepare() -> None:
+    case = make_case(MIXED, block_size=4, num_heads=8, num_kv_heads=2, seed=13)
+    backend = PagedAttention(case.spec)
+    out = backend.forward(case.q, case.k, case.v, case.kv_cache.clone(), case.meta, None)
+    torch.testing.assert_close(out.double(), naive_attention(case), rtol=0, atol=1e-5)
+
+
+def test_registration() -> None:
+    from modserve.core.registry import Registry
+
+    import modserve.attention_backends as plugin
+
+    reg = Registry()
+    reg.add_plugin(plugin, "builtin-attention")
+    assert reg.names("attention_backend") == ["paged", "reference"]
+    assert reg.load("attention_backend", "paged") is PagedAttention
+    assert reg.load("attention_backend", "reference") is ReferenceAttention
+    assert all(r.description for r in reg.registrations()["attention_backend"].values())
+
+
+def test_registration_imports_nothing_heavy() -> None:
+    code = (
+        "import sys, modserve.attention_backends as m\n"
+        "m.register_attention_backends(lambda *a, **k: None)\n"
+        "heavy = [n for n in ('torch', 'modserve.attention_backends.paged',"
+        " 'modserve.attention_backends.reference') if n in sys.modules]\n"
+        "assert not heavy, heavy\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
