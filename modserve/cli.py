@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import logging
 import sys
@@ -69,6 +70,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+# Modules that add their own subcommands: each defines add_parsers(subparsers) and
+# imports anything heavy inside its command functions, so `modserve --help` stays fast.
+SUBCOMMAND_MODULES: tuple[str, ...] = ()
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="modserve", description=__doc__)
     parser.add_argument("--log-level", default="INFO")
@@ -85,6 +91,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--sample-seed", type=int, default=None, help="per-request sampling seed")
     p.set_defaults(func=cmd_generate)
+    for module in SUBCOMMAND_MODULES:
+        importlib.import_module(module).add_parsers(sub)
     return parser
 
 
