@@ -34,7 +34,8 @@ def all_kv_blocks_free_after_test():
         assert not eng.requests, f"requests left in the engine: {list(eng.requests)}"
         assert not eng.scheduler.has_work(), "sequences left in the scheduler queues"
         free = eng.allocator.num_free_blocks()
-        assert free == eng.num_blocks, f"KV blocks leaked: {eng.num_blocks - free} of {eng.num_blocks} in use"
+        total = eng.allocator.num_blocks
+        assert free == total, f"KV blocks leaked: {total - free} of {total} in use"
 
 
 @pytest.fixture(autouse=True)

@@ -6,6 +6,7 @@ import math
 import subprocess
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 import torch
@@ -28,6 +29,15 @@ MIXED = [
     (63, 1),  # decode ending on a block boundary (block_size 4 and 16)
 ]
 HEADS = [(8, 2), (4, 4)]  # (num_heads, num_kv_heads): GQA and MHA
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """The tensors here are tiny: extra intra-op threads only add contention."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 @dataclass
@@ -154,9 +164,10 @@ def naive_attention(case: Case) -> torch.Tensor:
     return out
 
 
-def run_backend(name: str, case: Case, kv_cache: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def run_backend(name: str, case: Case) -> tuple[torch.Tensor, torch.Tensor]:
+    """(output, cache afterwards) of one forward on a copy of the case's cache."""
     backend = BACKENDS[name](case.spec)
-    cache = case.kv_cache.clone() if kv_cache is None else kv_cache
+    cache = case.kv_cache.clone()
     assert tuple(cache.shape) == backend.kv_cache_shape(cache.shape[1])
     state = backend.prepare(case.meta)
     out = backend.forward(case.q, case.k, case.v, cache, case.meta, state)
@@ -248,7 +259,9 @@ def test_paged_state_shared_across_layers() -> None:
     assert [p.blocks is None for p in state.prefills] == [True, False, False]
     for layer in range(3):
         # Same layout (table seed), different data per layer.
-        layer_case = make_case(MIXED, block_size=4, num_heads=8, num_kv_heads=2, seed=11, data_seed=100 + layer)
+        layer_case = make_case(
+            MIXED, block_size=4, num_heads=8, num_kv_heads=2, seed=11, data_seed=100 + layer
+        )
         assert torch.equal(layer_case.meta.block_tables, case.meta.block_tables)
         cache = layer_case.kv_cache.clone()
         out = backend.forward(layer_case.q, layer_case.k, layer_case.v, cache, case.meta, state)
@@ -264,7 +277,8 @@ def test_paged_reused_across_steps() -> None:
         for dtype in (torch.float32, torch.bfloat16):
             case = make_case(seqs, block_size=4, num_heads=8, num_kv_heads=2, dtype=dtype, seed=20 + step)
             backend = backend or PagedAttention(case.spec)
-            out = backend.forward(case.q, case.k, case.v, case.kv_cache.clone(), case.meta, backend.prepare(case.meta))
+            state = backend.prepare(case.meta)
+            out = backend.forward(case.q, case.k, case.v, case.kv_cache.clone(), case.meta, state)
             atol = 1e-5 if dtype == torch.float32 else 5e-2
             torch.testing.assert_close(out.double(), naive_attention(case), rtol=0, atol=atol)
 
@@ -297,4 +311,4 @@ def test_registration_imports_nothing_heavy() -> None:
         " 'modserve.attention_backends.reference') if n in sys.modules]\n"
         "assert not heavy, heavy\n"
     )
-    subprocess.run([sys.executable, "-c", code], check=True)
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).resolve().parents[1])

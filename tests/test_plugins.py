@@ -47,7 +47,7 @@ class CountingAttention:
 def test_builtins_register_through_entry_points():
     reg = builtin_registry()
     assert {"reference", "paged"} <= set(reg.names("attention_backend"))
-    assert reg.names("kv_allocator") == ["paged"]
+    assert reg.names("kv_allocator") == ["contiguous", "paged"]
     assert reg.names("scheduler") == ["fcfs"]
     assert reg.names("sampler") == ["default"]
     assert {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"} <= set(reg.names("model_architecture"))
@@ -102,8 +102,8 @@ def test_plugin_options_are_validated(llama_dir):
         from modserve.plugins.kv_allocators.paged import PagedAllocator
 
         class Tiled(PagedAllocator):
-            def __init__(self, num_blocks, block_size, options=None):
-                super().__init__(num_blocks, block_size, options)
+            def __init__(self, num_blocks, block_size, max_model_len, options=None):
+                super().__init__(num_blocks, block_size, max_model_len)
                 seen["tile"] = options.tile
 
         return Tiled
@@ -117,7 +117,10 @@ def test_plugin_options_are_validated(llama_dir):
     with pytest.raises(ValueError, match="invalid options for kv_allocator 'tiled'.*colour"):
         LLM(llama_dir, kv_allocator={"name": "tiled", "options": {"colour": 1}}, num_kv_blocks=128,
             registry=reg, progress=False)
-    with pytest.raises(ValueError, match="kv_allocator 'paged' takes no options"):
+    with pytest.raises(ValueError, match="kv_allocator 'contiguous' takes no options"):
+        LLM(llama_dir, kv_allocator={"name": "contiguous", "options": {"x": 1}}, num_kv_blocks=128,
+            registry=reg, progress=False)
+    with pytest.raises(ValueError, match="invalid options for kv_allocator 'paged': unknown option 'x'"):
         LLM(llama_dir, kv_allocator={"name": "paged", "options": {"x": 1}}, num_kv_blocks=128,
             registry=reg, progress=False)
 

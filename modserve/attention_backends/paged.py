@@ -25,6 +25,7 @@ slower for the single-query case unless the CPU has native bf16 support.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 
 import torch
@@ -88,10 +89,10 @@ class PagedAttention(AttentionBackend):
             key_pos = torch.arange(state.decode_len, device=device)  # [L]
             state.decode_mask = (key_pos < seq_lens[:, None])[:, None, None, :]  # [Bd, 1, 1, L]
 
-        for i, query_len in enumerate(meta.query_lens_cpu):
+        starts = itertools.accumulate(meta.query_lens_cpu, initial=0)  # on the host: no device sync
+        for i, (start, query_len) in enumerate(zip(starts, meta.query_lens_cpu)):
             if query_len <= 1:  # decodes above; an empty sequence has nothing to do
                 continue
-            start = int(meta.query_start_loc[i])
             context_len, seq_len = meta.context_lens_cpu[i], meta.seq_lens_cpu[i]
             if context_len == 0:
                 state.prefills.append(PrefillPlan(start, start + query_len, seq_len, None, None))

@@ -38,8 +38,8 @@ class ReferenceAttention(AttentionBackend):
         value_cache[meta.slot_mapping] = v
 
         out = torch.empty_like(q)  # [T, H, D]
+        start = 0
         for i in range(meta.num_seqs):
-            start = int(meta.query_start_loc[i])
             query_len = meta.query_lens_cpu[i]
             context_len = meta.context_lens_cpu[i]
             seq_len = meta.seq_lens_cpu[i]
@@ -64,4 +64,5 @@ class ReferenceAttention(AttentionBackend):
                 scale=s.scale,
             )  # [H, Lq, D]
             out[start : start + query_len] = o.transpose(0, 1)
+            start += query_len
         return out

@@ -44,6 +44,10 @@ class EngineConfig(BaseModel):
     kv_cache_memory_gb: float | None = Field(None, gt=0, description="KV cache size; wins over the fraction")
     kv_cache_memory_fraction: float = Field(0.2, gt=0, le=0.95, description="Fraction of free memory for KV")
     num_kv_blocks: int | None = Field(None, gt=0, description="Exact block count (overrides both sizes)")
+    preemption_mode: Literal["recompute", "swap"] = Field(
+        "recompute", description="When blocks run out: drop the KV and recompute it, or copy it to host memory")
+    swap_space_gb: float = Field(4.0, ge=0, description="Host memory for swapped-out KV (preemption_mode: swap)")
+    num_swap_blocks: int | None = Field(None, ge=0, description="Exact host block count (overrides swap_space_gb)")
     max_num_seqs: int = Field(128, gt=0)
     max_num_batched_tokens: int = Field(2048, gt=0)
     max_waiting_requests: int = Field(1024, gt=0, description="Server: beyond this, 503")

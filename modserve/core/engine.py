@@ -17,7 +17,7 @@ from modserve.core.model_runner import ModelRunner
 from modserve.core.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from modserve.core.registry import Registry, get_registry
 from modserve.core.sampling_params import SamplingParams
-from modserve.core.scheduler import SchedulerCore
+from modserve.core.scheduler import SchedulerCore, SwapSpace
 from modserve.core.sequence import Sequence, SequenceStatus
 from modserve.core.tokenizer import Tokenizer
 
@@ -53,11 +53,14 @@ class LLMEngine:
         self.runner = ModelRunner(config, hf_config, registry, self.dtype, self.max_model_len,
                                   self.eos_token_ids, progress=progress)
         self.num_blocks = self._num_kv_blocks()
-        self.runner.allocate_kv_cache(self.num_blocks)
-        allocator = registry.create("kv_allocator", config.kv_allocator, self.num_blocks, config.block_size)
+        num_host_blocks = self._num_swap_blocks()
+        self.runner.allocate_kv_cache(self.num_blocks, num_host_blocks)
+        allocator = registry.create("kv_allocator", config.kv_allocator, self.num_blocks, config.block_size,
+                                    self.max_model_len)
         limits = SchedulerLimits(config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len)
         policy = registry.create("scheduler", config.scheduler, limits)
-        self.scheduler = SchedulerCore(policy, allocator, limits, config.scheduler.name)
+        self.scheduler = SchedulerCore(policy, allocator, limits, config.scheduler.name, config.preemption_mode,
+                                       SwapSpace(num_host_blocks) if num_host_blocks else None)
         self.allocator = allocator
         self.requests: dict[str, Request] = {}
         self._seq_ids = count()
@@ -82,6 +85,14 @@ class LLMEngine:
         logger.info("KV cache: %d blocks x %d tokens = %.3f GiB", blocks, cfg.block_size,
                     blocks * per_block / 2**30)
         return blocks
+
+    def _num_swap_blocks(self) -> int:
+        cfg = self.config
+        if cfg.preemption_mode != "swap":
+            return 0
+        if cfg.num_swap_blocks is not None:
+            return cfg.num_swap_blocks
+        return int(cfg.swap_space_gb * 2**30 // self.runner.kv_bytes_per_block())
 
     # -- requests -------------------------------------------------------------------
     def add_request(
@@ -110,9 +121,10 @@ class LLMEngine:
             seq.detok = self.tokenizer.stream(params.skip_special_tokens)
             seqs.append(seq)
         self.requests[request_id] = Request(request_id, text, token_ids, params, seqs, metrics, max_tokens)
-        for seq in seqs:
-            self.scheduler.add(seq)
-        self.counters["prompt_tokens"] += len(token_ids) * params.n
+        # The other samples fork from the first once its prompt is computed: one prefill, shared blocks.
+        seqs[0].pending_forks = seqs[1:]
+        self.scheduler.add(seqs[0])
+        self.counters["prompt_tokens"] += len(token_ids)
 
     def validate_prompt(self, token_ids: list[int]) -> None:
         if not token_ids:
@@ -147,10 +159,19 @@ class LLMEngine:
         scheduled = self.scheduler.step()
         if not scheduled.seqs:
             return []
+        self.runner.move_blocks(scheduled.copies, scheduled.swap_out, scheduled.swap_in)
+        if scheduled.host_blocks_done:
+            self.scheduler.swap_space.give_back(scheduled.host_blocks_done)
         sampled, out = self.runner.execute(scheduled.seqs, scheduled.num_new_tokens)
         for seq, n in zip(scheduled.seqs, scheduled.num_new_tokens):
             seq.num_computed_tokens += n
             self.allocator.mark_computed(seq)
+            if seq.pending_forks and seq.num_computed_tokens == seq.num_tokens:
+                for child in seq.pending_forks:
+                    child.num_computed_tokens = seq.num_computed_tokens
+                    self.allocator.fork(seq, child)
+                    self.scheduler.add_running(child)
+                seq.pending_forks = []
         self.counters["computed_tokens"] += scheduled.num_tokens
         self.counters["steps"] += 1
         if out is None:
@@ -216,13 +237,19 @@ class LLMEngine:
     # -- introspection -------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
         free = self.allocator.num_free_blocks()
+        total = self.allocator.num_blocks
         return {
             "num_running": len(self.scheduler.running),
             "num_waiting": len(self.scheduler.waiting),
-            "kv_blocks_total": self.num_blocks,
+            "kv_blocks_total": total,
             "kv_blocks_free": free,
-            "kv_usage": 1.0 - free / self.num_blocks,
+            "kv_usage": 1.0 - free / total,
+            "num_swapped": len(self.scheduler.swapped),
             "num_preemptions": self.scheduler.num_preemptions,
+            "preemptions_recompute": self.scheduler.preemptions["recompute"],
+            "preemptions_swap": self.scheduler.preemptions["swap"],
+            "blocks_swapped_out": self.scheduler.blocks_swapped["out"],
+            "blocks_swapped_in": self.scheduler.blocks_swapped["in"],
             **self.counters,
             **{f"allocator_{k}": v for k, v in self.allocator.stats().items()},
         }

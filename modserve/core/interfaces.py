@@ -80,7 +80,8 @@ class AttentionBackend(ABC):
         self.options = options
 
     def kv_cache_shape(self, num_blocks: int) -> tuple[int, ...]:
-        """Shape of one layer's cache. Default: [2 (k, v), blocks, block_size, kv_heads, head_dim]."""
+        """Shape of one layer's cache. Default: [2 (k, v), blocks, block_size, kv_heads, head_dim].
+        NOTE: dimension 1 must stay the block index: block copies and swaps index it."""
         s = self.spec
         return (2, num_blocks, s.block_size, s.num_kv_heads, s.head_dim)
 
@@ -110,12 +111,17 @@ class KVAllocator(ABC):
     Contract: block ids are ints in ``[0, num_blocks)``; ``seq.block_ids`` is the
     sequence's block table, owned by the allocator (callers only read it).
     ``allocate`` is all-or-nothing. After ``free`` of every live sequence,
-    ``num_free_blocks() == num_blocks``. Allocate and free are O(1) per block.
+    ``num_free_blocks() == num_blocks`` (blocks kept only as prefix cache count as
+    free: they are evicted on demand). Allocate and free are O(1) per block.
+    A block shared by several sequences is never written in place: ``allocate``
+    copies it first (copy-on-write) and reports the copy through ``take_copies``.
     """
 
-    def __init__(self, num_blocks: int, block_size: int, options: BaseModel | None = None) -> None:
+    def __init__(self, num_blocks: int, block_size: int, max_model_len: int,
+                 options: BaseModel | None = None) -> None:
         self.num_blocks = num_blocks
         self.block_size = block_size
+        self.max_model_len = max_model_len
         self.options = options
 
     @abstractmethod
@@ -127,26 +133,37 @@ class KVAllocator(ABC):
         needed = -(-num_tokens // self.block_size)
         return max(0, needed - len(seq.block_ids))
 
+    def blocks_freed_by(self, seq: Sequence) -> int:
+        """Blocks that ``free(seq)`` would return (shared blocks stay with their other holders)."""
+        return len(seq.block_ids)
+
     @abstractmethod
     def allocate(self, seq: Sequence, num_tokens: int) -> bool:
-        """Make ``seq.block_ids`` cover ``num_tokens`` tokens. False (and no change) if short."""
+        """Make ``seq.block_ids`` cover ``num_tokens`` tokens, ready for writes from
+        ``seq.num_computed_tokens`` on. False (and no change) if short of blocks."""
 
     @abstractmethod
     def free(self, seq: Sequence) -> None:
         """Release every block of ``seq`` and empty its table."""
 
     def match_prefix(self, seq: Sequence) -> int:
-        """Attach cached blocks holding a prefix of ``seq``'s tokens; return how many
-        tokens they cover (skipped by prefill). Allocators without a prefix cache return 0."""
+        """For a sequence with no blocks: attach cached blocks holding a prefix of its
+        tokens and return how many tokens they cover (always fewer than
+        ``seq.num_tokens``: the last token is computed to get logits).
+        Allocators without a prefix cache return 0."""
         return 0
 
     def mark_computed(self, seq: Sequence) -> None:
-        """Called after a step wrote KV for ``seq.num_computed_tokens`` tokens, so full
+        """Called after a step wrote KV up to ``seq.num_computed_tokens``, so full
         blocks can be published to a prefix cache. Default: nothing."""
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
-        """Make ``child`` share ``parent``'s blocks (copy-on-write where supported)."""
+        """Make ``child`` (no blocks yet) share all of ``parent``'s blocks."""
         raise NotImplementedError(f"{type(self).__name__} does not support fork")
+
+    def take_copies(self) -> list[tuple[int, int]]:
+        """(source, destination) block copies that must happen before the next forward."""
+        return []
 
     def stats(self) -> dict[str, float]:
         """Counters for engine stats and /metrics."""
@@ -178,15 +195,21 @@ class Schedule:
 class SchedulerView(ABC):
     """What a policy may read: the core's queues, limits and block budget."""
 
-    waiting: Seq[Sequence]  # arrival order (preempted sequences go back in front)
+    waiting: Seq[Sequence]  # arrival order (sequences preempted by recompute go back in front)
     running: Seq[Sequence]  # admission order
+    swapped: Seq[Sequence]  # preempted by swap, in preemption order; resume by scheduling them
     limits: SchedulerLimits
 
     @abstractmethod
     def free_blocks(self) -> int: ...
 
     @abstractmethod
-    def blocks_needed(self, seq: Sequence, num_new_tokens: int) -> int: ...
+    def blocks_needed(self, seq: Sequence, num_new_tokens: int) -> int:
+        """Blocks that computing ``num_new_tokens`` more tokens of ``seq`` takes."""
+
+    @abstractmethod
+    def blocks_freed_by(self, seq: Sequence) -> int:
+        """Blocks that preempting ``seq`` gives back."""
 
 
 class Scheduler(ABC):

@@ -60,11 +60,31 @@ class ModelRunner:
         shape = self.attn.kv_cache_shape(1)
         return int(np.prod(shape)) * self.dtype.itemsize * self.attn_spec.num_layers
 
-    def allocate_kv_cache(self, num_blocks: int) -> None:
+    def allocate_kv_cache(self, num_blocks: int, num_host_blocks: int = 0) -> None:
         # Zeroed once: masked-out slots must hold finite values (0 * NaN would poison attention).
         shape = self.attn.kv_cache_shape(num_blocks)
         self.kv_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device)
                           for _ in range(self.attn_spec.num_layers)]
+        host_shape = self.attn.kv_cache_shape(num_host_blocks)
+        pin = self.device.type == "cuda"
+        self.host_caches = [torch.zeros(host_shape, dtype=self.dtype, pin_memory=pin)
+                            for _ in range(self.attn_spec.num_layers)] if num_host_blocks else []
+
+    @torch.inference_mode()
+    def move_blocks(self, copies: list[tuple[int, int]], swap_out: list[tuple[int, int]],
+                    swap_in: list[tuple[int, int]]) -> None:
+        """Block moves a step needs before its forward, in this order: device to host
+        (a freed block may be reused this step), device to device (copy-on-write),
+        host to device."""
+        for pairs, src_caches, dst_caches in ((swap_out, self.kv_caches, self.host_caches),
+                                               (copies, self.kv_caches, self.kv_caches),
+                                               (swap_in, self.host_caches, self.kv_caches)):
+            if not pairs:
+                continue
+            src = torch.tensor([p[0] for p in pairs], device=src_caches[0].device)
+            dst = torch.tensor([p[1] for p in pairs], device=dst_caches[0].device)
+            for s_cache, d_cache in zip(src_caches, dst_caches):
+                d_cache[:, dst] = s_cache[:, src].to(d_cache.device, non_blocking=True)
 
     # -- one step -------------------------------------------------------------------
     @torch.inference_mode()
@@ -77,6 +97,11 @@ class ModelRunner:
         if not sampled:
             return [], None
         logits = self.model.compute_logits(hidden[logits_rows])  # [S, vocab]
+        if any(s.pending_forks for s in sampled):
+            # n > 1: the prompt was computed once; every sample draws from its logits.
+            repeats = torch.tensor([1 + len(s.pending_forks) for s in sampled], device=logits.device)
+            logits = logits.repeat_interleave(repeats, dim=0)
+            sampled = [x for s in sampled for x in (s, *s.pending_forks)]
         return sampled, self.sampler(logits, self._sampling_batch(sampled))
 
     def _prepare(self, seqs: list[Sequence], num_new_tokens: list[int]):

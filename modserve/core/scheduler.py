@@ -9,11 +9,32 @@ queues or the allocator in a broken state.
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Literal
 
 from modserve.core.interfaces import KVAllocator, Schedule, Scheduler, SchedulerLimits, SchedulerView
 from modserve.core.registry import PluginError
 from modserve.core.sequence import Sequence, SequenceStatus
+
+
+class SwapSpace:
+    """Host-memory blocks that hold the KV of sequences preempted by swapping."""
+
+    def __init__(self, num_blocks: int) -> None:
+        self.num_blocks = num_blocks
+        self.free_ids: deque[int] = deque(range(num_blocks))
+        self.held: dict[int, list[int]] = {}  # seq_id -> host blocks, in block-table order
+
+    def take(self, seq: Sequence) -> list[int] | None:
+        n = len(seq.block_ids)
+        if n > len(self.free_ids):
+            return None
+        ids = [self.free_ids.popleft() for _ in range(n)]
+        self.held[seq.seq_id] = ids
+        return ids
+
+    def give_back(self, ids: list[int]) -> None:
+        self.free_ids.extend(ids)
 
 
 @dataclass(slots=True)
@@ -21,6 +42,10 @@ class ScheduledStep:
     seqs: list[Sequence]
     num_new_tokens: list[int]
     preempted: list[Sequence]
+    copies: list[tuple[int, int]] = field(default_factory=list)  # device block -> device block
+    swap_out: list[tuple[int, int]] = field(default_factory=list)  # device block -> host block
+    swap_in: list[tuple[int, int]] = field(default_factory=list)  # host block -> device block
+    host_blocks_done: list[int] = field(default_factory=list)  # free these after the swaps ran
 
     @property
     def num_tokens(self) -> int:
@@ -28,14 +53,24 @@ class ScheduledStep:
 
 
 class SchedulerCore(SchedulerView):
-    def __init__(self, policy: Scheduler, allocator: KVAllocator, limits: SchedulerLimits, policy_name: str) -> None:
+    def __init__(self, policy: Scheduler, allocator: KVAllocator, limits: SchedulerLimits, policy_name: str,
+                 preemption_mode: Literal["recompute", "swap"] = "recompute",
+                 swap_space: SwapSpace | None = None) -> None:
         self.policy = policy
         self.allocator = allocator
         self.limits = limits
         self.policy_name = policy_name
+        self.preemption_mode = preemption_mode
+        self.swap_space = swap_space
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
-        self.num_preemptions = 0
+        self.swapped: deque[Sequence] = deque()
+        self.preemptions = {"recompute": 0, "swap": 0}
+        self.blocks_swapped = {"out": 0, "in": 0}
+
+    @property
+    def num_preemptions(self) -> int:
+        return sum(self.preemptions.values())
 
     # -- SchedulerView --------------------------------------------------------
     def free_blocks(self) -> int:
@@ -44,75 +79,106 @@ class SchedulerCore(SchedulerView):
     def blocks_needed(self, seq: Sequence, num_new_tokens: int) -> int:
         return self.allocator.blocks_needed(seq, seq.num_computed_tokens + num_new_tokens)
 
+    def blocks_freed_by(self, seq: Sequence) -> int:
+        return self.allocator.blocks_freed_by(seq)
+
     # -- queue changes ----------------------------------------------------------
     def add(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
         self.waiting.append(seq)
 
+    def add_running(self, seq: Sequence) -> None:
+        """A sequence forked from a running one: it holds blocks and runs from the next step."""
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
+
     def remove(self, seq: Sequence) -> None:
         """Take a finished or aborted sequence out of the queues and free its blocks."""
-        if seq.status is SequenceStatus.RUNNING:
-            self.running.remove(seq)
-        elif seq.status is SequenceStatus.WAITING:
-            self.waiting.remove(seq)
+        for queue in (self.running, self.waiting, self.swapped):
+            if seq in queue:
+                queue.remove(seq)
+                break
+        if self.swap_space is not None and seq.seq_id in self.swap_space.held:
+            self.swap_space.give_back(self.swap_space.held.pop(seq.seq_id))
         self.allocator.free(seq)
         seq.status = SequenceStatus.FINISHED
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.swapped)
 
     # -- one step ---------------------------------------------------------------------
     def step(self) -> ScheduledStep:
         schedule = self.policy.schedule(self)
         self._check(schedule)
+        out = ScheduledStep([], [], list(schedule.preempt))
         for seq in schedule.preempt:
-            self._preempt(seq)
-        seqs, counts = [], []
+            self._preempt(seq, out)
         for seq, n in schedule.tokens.items():
             if seq.status is SequenceStatus.WAITING:
                 self.waiting.remove(seq)
+                if not seq.block_ids:
+                    seq.num_computed_tokens = self.allocator.match_prefix(seq)
+                    n = min(n, seq.num_tokens - seq.num_computed_tokens)
+            elif seq.status is SequenceStatus.SWAPPED:
+                self.swapped.remove(seq)
+            if seq.status is not SequenceStatus.RUNNING:
                 self.running.append(seq)
-                seq.status = SequenceStatus.RUNNING
             if not self.allocator.allocate(seq, seq.num_computed_tokens + n):
                 raise PluginError(f"kv allocator could not allocate what it reported free for sequence {seq.seq_id}")
-            seqs.append(seq)
-            counts.append(n)
-        return ScheduledStep(seqs, counts, list(schedule.preempt))
+            if seq.status is SequenceStatus.SWAPPED:
+                host = self.swap_space.held.pop(seq.seq_id)
+                out.swap_in.extend(zip(host, seq.block_ids))
+                out.host_blocks_done.extend(host)
+                self.blocks_swapped["in"] += len(host)
+            seq.status = SequenceStatus.RUNNING
+            out.seqs.append(seq)
+            out.num_new_tokens.append(n)
+        out.copies = self.allocator.take_copies()
+        return out
 
-    def _preempt(self, seq: Sequence) -> None:
-        # Recompute: drop the KV, keep the tokens; the sequence is prefilled again later.
+    def _preempt(self, seq: Sequence, out: ScheduledStep) -> None:
         self.running.remove(seq)
-        self.allocator.free(seq)
-        seq.num_computed_tokens = 0
         seq.num_preemptions += 1
-        seq.status = SequenceStatus.WAITING
-        self.waiting.appendleft(seq)
-        self.num_preemptions += 1
+        host = None
+        if self.preemption_mode == "swap" and self.swap_space is not None:
+            host = self.swap_space.take(seq)
+        if host is None:
+            # Recompute: drop the KV, keep the tokens; the sequence is prefilled again later.
+            self.allocator.free(seq)
+            seq.num_computed_tokens = 0
+            seq.status = SequenceStatus.WAITING
+            self.waiting.appendleft(seq)
+            self.preemptions["recompute"] += 1
+            return
+        out.swap_out.extend(zip(seq.block_ids, host))
+        self.blocks_swapped["out"] += len(host)
+        self.allocator.free(seq)
+        seq.status = SequenceStatus.SWAPPED
+        self.swapped.append(seq)
+        self.preemptions["swap"] += 1
 
     def _check(self, schedule: Schedule) -> None:
         def refuse(why: str) -> PluginError:
             return PluginError(f"scheduler {self.policy_name!r} returned an invalid schedule: {why}")
 
-        running = set(self.running)
-        waiting = set(self.waiting)
+        running, waiting, swapped = set(self.running), set(self.waiting), set(self.swapped)
         preempt = set(schedule.preempt)
-        if not preempt <= running:
-            raise refuse("it preempts a sequence that is not running")
-        total = 0
-        blocks = 0
-        freed = sum(len(s.block_ids) for s in preempt)
+        if len(preempt) != len(schedule.preempt) or not preempt <= running:
+            raise refuse("it preempts a sequence that is not running (or one twice)")
+        total = blocks = 0
         for seq, n in schedule.tokens.items():
-            if seq in preempt or not (seq in running or seq in waiting):
-                raise refuse(f"sequence {seq.seq_id} is neither running nor waiting")
-            remaining = seq.num_tokens - (0 if seq in preempt else seq.num_computed_tokens)
-            if not 1 <= n <= remaining:
-                raise refuse(f"sequence {seq.seq_id} gets {n} tokens, it has {remaining} to compute")
+            if seq in preempt or not (seq in running or seq in waiting or seq in swapped):
+                raise refuse(f"sequence {seq.seq_id} is not running, waiting or swapped")
+            remaining = seq.num_tokens - seq.num_computed_tokens
+            if not isinstance(n, int) or not 1 <= n <= remaining:
+                raise refuse(f"sequence {seq.seq_id} gets {n!r} tokens, it has {remaining} to compute")
             total += n
             blocks += self.blocks_needed(seq, n)
         if total > self.limits.max_num_batched_tokens:
             raise refuse(f"{total} tokens exceed max_num_batched_tokens={self.limits.max_num_batched_tokens}")
-        admitted = sum(1 for s in schedule.tokens if s in waiting)
+        admitted = sum(1 for s in schedule.tokens if s not in running)
         if len(running) - len(preempt) + admitted > self.limits.max_num_seqs:
             raise refuse(f"more than max_num_seqs={self.limits.max_num_seqs} running sequences")
+        freed = sum(self.blocks_freed_by(s) for s in preempt)
         if blocks > self.free_blocks() + freed:
             raise refuse(f"needs {blocks} KV blocks, {self.free_blocks() + freed} are free")

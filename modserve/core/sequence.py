@@ -12,6 +12,7 @@ from modserve.core.sampling_params import SamplingParams
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
+    SWAPPED = "swapped"  # preempted with its KV copied to host memory
     FINISHED = "finished"
 
 
@@ -33,6 +34,11 @@ class Sequence:
     index: int = 0  # which of the request's n samples this is
     num_computed_tokens: int = 0
     block_ids: list[int] = field(default_factory=list)
+    # Content keys of the sequence's full blocks, chained from the first; filled by
+    # allocators with a prefix cache, kept across preemption (the tokens don't change).
+    block_hashes: list[bytes] = field(default_factory=list)
+    # Samples of the same request (n > 1) that fork from this one once its prompt is computed.
+    pending_forks: list["Sequence"] = field(default_factory=list)
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: str | None = None
     stop_reason: int | str | None = None

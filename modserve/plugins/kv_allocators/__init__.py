@@ -6,5 +6,11 @@ def register_kv_allocators(register) -> None:
     register(
         "paged",
         "modserve.plugins.kv_allocators.paged:PagedAllocator",
-        description="fixed-size blocks on demand from an O(1) free list, ref-counted",
+        options="modserve.plugins.kv_allocators.paged:PagedOptions",
+        description="blocks on demand from O(1) free lists; automatic prefix caching, copy-on-write",
+    )
+    register(
+        "contiguous",
+        "modserve.plugins.kv_allocators.contiguous:ContiguousAllocator",
+        description="baseline: each sequence reserves max_model_len tokens when admitted",
     )

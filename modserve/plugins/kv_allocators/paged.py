@@ -1,45 +1,166 @@
-"""Paged KV allocation: fixed-size blocks taken on demand from a free list."""
+"""Paged KV allocation with automatic prefix caching and copy-on-write sharing."""
 
 from __future__ import annotations
 
-from collections import deque
+import hashlib
+from array import array
+from collections import OrderedDict, deque
 
-from pydantic import BaseModel
+from pydantic import BaseModel, ConfigDict
 
 from modserve.core.interfaces import KVAllocator
 from modserve.core.sequence import Sequence
 
 
-class PagedAllocator(KVAllocator):
-    """Blocks handed out from a deque, O(1) each way.
+class PagedOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    enable_prefix_caching: bool = True
 
-    NOTE: every block carries a reference count so that sequences can share
-    blocks (forked samples, cached prefixes); a block returns to the free list
-    only when its last holder lets go.
+
+class PagedAllocator(KVAllocator):
+    """Fixed-size blocks on demand, ref-counted, with full blocks cached by content.
+
+    NOTE: a full block's key is sha256(parent key + its token ids), so a key names
+    the whole prefix up to that block and a match can never be a collision in
+    practice. A freed block keeps its key and contents and waits in an LRU queue;
+    it is evicted only when a block is needed and no plain free block is left.
+    Partial blocks are never cached, so cached blocks are never written again.
     """
 
-    def __init__(self, num_blocks: int, block_size: int, options: BaseModel | None = None) -> None:
-        super().__init__(num_blocks, block_size, options)
-        self.free_ids: deque[int] = deque(range(num_blocks))
+    def __init__(self, num_blocks: int, block_size: int, max_model_len: int,
+                 options: PagedOptions | None = None) -> None:
+        super().__init__(num_blocks, block_size, max_model_len, options)
+        self.caching = (options or PagedOptions()).enable_prefix_caching
         self.ref_counts = [0] * num_blocks
+        self.block_key: list[bytes | None] = [None] * num_blocks
+        self.cached: dict[bytes, int] = {}  # key -> block holding it
+        self.free_plain: deque[int] = deque(range(num_blocks))  # no key: reuse first
+        self.free_cached: OrderedDict[int, None] = OrderedDict()  # keyed, least recently freed first
+        self.published: dict[int, int] = {}  # seq_id -> leading blocks already offered to the cache
+        self.copies: list[tuple[int, int]] = []
+        self.queried_tokens = 0
+        self.hit_tokens = 0
+        self.evictions = 0
 
+    # -- counting -------------------------------------------------------------------
     def num_free_blocks(self) -> int:
-        return len(self.free_ids)
+        return len(self.free_plain) + len(self.free_cached)
+
+    def blocks_needed(self, seq: Sequence, num_tokens: int) -> int:
+        return super().blocks_needed(seq, num_tokens) + int(self._needs_copy(seq, num_tokens))
+
+    def blocks_freed_by(self, seq: Sequence) -> int:
+        return sum(1 for b in seq.block_ids if self.ref_counts[b] == 1)
+
+    def _needs_copy(self, seq: Sequence, num_tokens: int) -> bool:
+        # The next write lands inside an existing block that someone else also holds.
+        pos = seq.num_computed_tokens
+        idx = pos // self.block_size
+        return num_tokens > pos and pos % self.block_size != 0 and idx < len(seq.block_ids) \
+            and self.ref_counts[seq.block_ids[idx]] > 1
+
+    # -- allocate / free --------------------------------------------------------------
+    def _take(self) -> int:
+        if self.free_plain:
+            block = self.free_plain.popleft()
+        else:
+            block, _ = self.free_cached.popitem(last=False)
+            del self.cached[self.block_key[block]]
+            self.block_key[block] = None
+            self.evictions += 1
+        self.ref_counts[block] = 1
+        return block
+
+    def _release(self, block: int) -> None:
+        self.ref_counts[block] -= 1
+        if self.ref_counts[block] == 0:
+            if self.block_key[block] is None:
+                self.free_plain.append(block)
+            else:
+                self.free_cached[block] = None
 
     def allocate(self, seq: Sequence, num_tokens: int) -> bool:
-        needed = self.blocks_needed(seq, num_tokens)
-        if needed > len(self.free_ids):
+        if self.blocks_needed(seq, num_tokens) > self.num_free_blocks():
             return False
-        for _ in range(needed):
-            block = self.free_ids.popleft()
-            self.ref_counts[block] = 1
-            seq.block_ids.append(block)
+        if self._needs_copy(seq, num_tokens):
+            idx = seq.num_computed_tokens // self.block_size
+            shared = seq.block_ids[idx]
+            own = self._take()
+            self.copies.append((shared, own))
+            self._release(shared)
+            seq.block_ids[idx] = own
+        for _ in range(-(-num_tokens // self.block_size) - len(seq.block_ids)):
+            seq.block_ids.append(self._take())
         return True
 
     def free(self, seq: Sequence) -> None:
-        # Reversed so a sequence's tail blocks are reused last (they are the least likely to be shared).
+        # Tail first, so a sequence's last blocks (least likely shared) are evicted first.
         for block in reversed(seq.block_ids):
-            self.ref_counts[block] -= 1
-            if self.ref_counts[block] == 0:
-                self.free_ids.append(block)
+            self._release(block)
         seq.block_ids.clear()
+        self.published.pop(seq.seq_id, None)
+
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        for block in parent.block_ids:
+            self.ref_counts[block] += 1
+        child.block_ids = list(parent.block_ids)
+        child.block_hashes = list(parent.block_hashes)
+        self.published[child.seq_id] = self.published.get(parent.seq_id, 0)
+
+    def take_copies(self) -> list[tuple[int, int]]:
+        copies, self.copies = self.copies, []
+        return copies
+
+    # -- prefix cache -------------------------------------------------------------------
+    def _keys(self, seq: Sequence, num_blocks: int) -> list[bytes]:
+        keys = seq.block_hashes
+        bs = self.block_size
+        for i in range(len(keys), num_blocks):
+            h = hashlib.sha256(keys[-1] if keys else b"")
+            h.update(array("q", seq.token_ids[i * bs : (i + 1) * bs]).tobytes())
+            keys.append(h.digest())
+        return keys
+
+    def match_prefix(self, seq: Sequence) -> int:
+        if not self.caching:
+            return 0
+        assert not seq.block_ids, "match_prefix needs a sequence without blocks"
+        # Leave at least the last token to compute: its logits give the next token.
+        keys = self._keys(seq, (seq.num_tokens - 1) // self.block_size)
+        for key in keys:
+            block = self.cached.get(key)
+            if block is None:
+                break
+            if self.ref_counts[block] == 0:
+                del self.free_cached[block]
+            self.ref_counts[block] += 1
+            seq.block_ids.append(block)
+        hit = len(seq.block_ids) * self.block_size
+        self.queried_tokens += seq.num_tokens
+        self.hit_tokens += hit
+        self.published[seq.seq_id] = len(seq.block_ids)
+        return hit
+
+    def mark_computed(self, seq: Sequence) -> None:
+        if not self.caching:
+            return
+        full = seq.num_computed_tokens // self.block_size
+        start = self.published.get(seq.seq_id, 0)
+        if full <= start:
+            return
+        keys = self._keys(seq, full)
+        for i in range(start, full):
+            block, key = seq.block_ids[i], keys[i]
+            if self.block_key[block] is None and key not in self.cached:
+                self.block_key[block] = key
+                self.cached[key] = block
+        self.published[seq.seq_id] = full
+
+    def stats(self) -> dict[str, float]:
+        return {
+            **super().stats(),
+            "cached_blocks": len(self.cached),
+            "prefix_queried_tokens": self.queried_tokens,
+            "prefix_hit_tokens": self.hit_tokens,
+            "evictions": self.evictions,
+        }

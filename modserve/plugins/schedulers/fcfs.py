@@ -7,12 +7,12 @@ from modserve.core.interfaces import Schedule, Scheduler, SchedulerView
 
 class FCFSScheduler(Scheduler):
     """Each step: advance every running sequence (decodes and unfinished prefill
-    chunks) in admission order, then admit waiting sequences in arrival order
-    while tokens, sequence slots and blocks last.
+    chunks) in admission order, then resume swapped sequences, then admit waiting
+    ones in arrival order, while tokens, sequence slots and blocks last. A prompt
+    longer than the step's token budget is prefilled in chunks.
 
-    When blocks run out the newest running sequence is preempted (recompute);
-    no new sequence is admitted in a step that preempted, so the evicted one
-    returns first.
+    When blocks run out the newest running sequence is preempted; nothing new is
+    admitted in a step that preempted, so the evicted ones return first.
     """
 
     def schedule(self, view: SchedulerView) -> Schedule:
@@ -28,11 +28,10 @@ class FCFSScheduler(Scheduler):
             while need > free and running[-1] is not seq:
                 victim = running.pop()
                 out.preempt.append(victim)
-                free += len(victim.block_ids)
+                free += view.blocks_freed_by(victim)
             if need > free:  # alone and still short: it waits for the others to finish
                 running.pop()
                 out.preempt.append(seq)
-                free += len(seq.block_ids)
                 break
             out.tokens[seq] = n
             budget -= n
@@ -41,15 +40,16 @@ class FCFSScheduler(Scheduler):
         if out.preempt:
             return out
         num_running = len(running)
-        for seq in view.waiting:
-            if budget <= 0 or num_running >= self.limits.max_num_seqs:
-                break
-            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            need = view.blocks_needed(seq, n)
-            if need > free:
-                break
-            out.tokens[seq] = n
-            budget -= n
-            free -= need
-            num_running += 1
+        for queue in (view.swapped, view.waiting):
+            for seq in queue:
+                if budget <= 0 or num_running >= self.limits.max_num_seqs:
+                    return out
+                n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+                need = view.blocks_needed(seq, n)
+                if need > free:
+                    return out
+                out.tokens[seq] = n
+                budget -= n
+                free -= need
+                num_running += 1
         return out
