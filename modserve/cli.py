@@ -72,7 +72,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 # Modules that add their own subcommands: each defines add_parsers(subparsers) and
 # imports anything heavy inside its command functions, so `modserve --help` stays fast.
-SUBCOMMAND_MODULES: tuple[str, ...] = ()
+SUBCOMMAND_MODULES: tuple[str, ...] = ("modserve.server.cli", "modserve.bench.cli")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,0 +1,169 @@
+"""The FastAPI app: routes, API-key check, and every error in OpenAI's shape."""
+
+from __future__ import annotations
+
+import hmac
+import logging
+from contextlib import asynccontextmanager
+from typing import AsyncIterator
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.exceptions import HTTPException
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+import modserve
+from modserve.core.engine import LLMEngine
+from modserve.core.tokenizer import Tokenizer
+from modserve.server.async_engine import AsyncEngine
+from modserve.server.chat import chat_prompt, create_chat_completion
+from modserve.server.completions import create_completion
+from modserve.server.errors import APIError, from_validation_error, invalid
+from modserve.server.metrics import ServerMetrics
+from modserve.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
+                                      DetokenizeResponse, ModelCard, ModelList, TokenizeRequest, TokenizeResponse)
+from modserve.server.serving import ServerState
+
+logger = logging.getLogger("modserve.server")
+
+# /health, /version and /metrics stay open: probes and scrapers don't carry keys.
+PROTECTED_PREFIXES = ("/v1/", "/tokenize", "/detokenize")
+
+
+def create_app(engine: LLMEngine, api_key: str | None = None) -> FastAPI:
+    """An app serving ``engine``; the engine thread starts and stops with the app's lifespan."""
+    config = engine.config
+    metrics = ServerMetrics()
+    async_engine = AsyncEngine(engine, observer=metrics)
+    state = ServerState(
+        engine=async_engine,
+        tokenizer=Tokenizer(config.tokenizer or config.model, config.model),
+        model_name=config.served_model_name or config.model,
+        model_path=config.model,
+        max_model_len=engine.max_model_len,
+        max_waiting_requests=config.max_waiting_requests,
+    )
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        async_engine.start()
+        logger.info("serving %s (max_model_len=%d)", state.model_name, state.max_model_len)
+        try:
+            yield
+        finally:
+            async_engine.stop()
+            logger.info("engine stopped")
+
+    app = FastAPI(title="modserve", version=modserve.__version__, lifespan=lifespan)
+    app.state.server = state
+    app.state.metrics = metrics
+    if api_key:
+        app.add_middleware(APIKeyMiddleware, api_key=api_key)
+    _add_error_handlers(app)
+    _add_routes(app, state, metrics)
+    return app
+
+
+def _add_routes(app: FastAPI, state: ServerState, metrics: ServerMetrics) -> None:
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        return await create_completion(body, state, request)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        return await create_chat_completion(body, state, request)
+
+    @app.get("/v1/models")
+    async def models() -> ModelList:
+        return ModelList(data=[_model_card(state)])
+
+    @app.get("/v1/models/{model:path}")
+    async def model(model: str) -> ModelCard:
+        state.check_model(model)
+        return _model_card(state)
+
+    @app.get("/health")
+    async def health() -> Response:
+        if not state.engine.alive:
+            raise APIError(503, "the engine is not running", type="server_error", code="engine_dead")
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/version")
+    async def version() -> dict[str, str]:
+        return {"version": modserve.__version__}
+
+    @app.get("/metrics")
+    async def prometheus_metrics() -> Response:
+        return Response(metrics.render(await state.engine.stats()), media_type=CONTENT_TYPE_LATEST)
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest) -> TokenizeResponse:
+        state.check_model(body.model)
+        if (body.prompt is None) == (body.messages is None):
+            raise invalid("prompt", "give exactly one of prompt or messages")
+        if body.messages is not None:
+            tokens = chat_prompt(state, body.messages, body.add_generation_prompt)
+        else:
+            tokens = state.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+        return TokenizeResponse(count=len(tokens), max_model_len=state.max_model_len, tokens=tokens)
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest) -> DetokenizeResponse:
+        state.check_model(body.model)
+        vocab = state.tokenizer.vocab_size
+        if any(not 0 <= t < vocab for t in body.tokens):
+            raise invalid("tokens", f"token ids must be in [0, {vocab})")
+        return DetokenizeResponse(prompt=state.tokenizer.decode(body.tokens))
+
+
+def _model_card(state: ServerState) -> ModelCard:
+    return ModelCard(id=state.model_name, root=state.model_path, max_model_len=state.max_model_len)
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, exc: APIError) -> Response:
+        return exc.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(request: Request, exc: RequestValidationError) -> Response:
+        return from_validation_error(exc).response()
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, exc: HTTPException) -> Response:
+        if exc.status_code == 404:
+            message = f"Invalid URL ({request.method} {request.url.path})"
+        elif exc.status_code == 405:
+            message = f"Method {request.method} is not allowed on {request.url.path}"
+        else:
+            message = str(exc.detail)
+        return APIError(exc.status_code, message).response()
+
+    @app.exception_handler(Exception)
+    async def unexpected(request: Request, exc: Exception) -> Response:
+        logger.exception("unhandled error in %s %s", request.method, request.url.path)
+        return APIError(500, f"internal server error: {type(exc).__name__}: {exc}", type="server_error").response()
+
+
+class APIKeyMiddleware:
+    """``Authorization: Bearer <key>`` on the protected routes, else 401.
+
+    A plain ASGI middleware (not BaseHTTPMiddleware): it never wraps the response,
+    so streaming and client-disconnect detection pass through untouched.
+    """
+
+    def __init__(self, app: ASGIApp, api_key: str) -> None:
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"].startswith(PROTECTED_PREFIXES) and scope["method"] != "OPTIONS":
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            if not hmac.compare_digest(given, self.expected):
+                error = APIError(401, "Incorrect API key provided. Pass it as 'Authorization: Bearer <key>'.",
+                                 code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+                await error.response()(scope, receive, send)
+                return
+        await self.app(scope, receive, send)

@@ -1,0 +1,280 @@
+"""AsyncEngine: an LLMEngine stepping in one background thread, fed from asyncio.
+
+NOTE: only the engine thread ever touches the LLMEngine. The event loop talks to
+it through a thread-safe command queue (add, abort, stats, stop), and the thread
+hands results back with one ``loop.call_soon_threadsafe`` per step. Everything
+on the asyncio side (routes, the waiting count) is touched only by the loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from itertools import count
+from typing import Any, Callable, Protocol
+
+from modserve.core.engine import LLMEngine
+from modserve.core.outputs import RequestOutput
+from modserve.core.sampling_params import SamplingParams
+
+logger = logging.getLogger("modserve.server")
+
+# What the engine thread hands to a request: its latest cumulative output, or the error that ended it.
+Result = RequestOutput | BaseException
+
+
+class EngineError(RuntimeError):
+    """The engine failed while running a request; the request is over, the server is not."""
+
+
+class EngineDead(RuntimeError):
+    """The engine thread is not running (stopped, or never started)."""
+
+
+class RequestObserver(Protocol):
+    """Told about every request's end (metrics listen here)."""
+
+    def request_finished(self, output: RequestOutput) -> None: ...
+
+    def request_ended_early(self, reason: str) -> None: ...
+
+
+@dataclass(slots=True)
+class _Add:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival_time: float
+
+
+@dataclass(slots=True)
+class _Abort:
+    request_id: str
+
+
+@dataclass(slots=True)
+class _Stats:
+    future: asyncio.Future
+
+
+class _Stop:
+    pass
+
+
+class AsyncEngine:
+    def __init__(self, engine: LLMEngine, observer: RequestObserver | None = None) -> None:
+        self.engine = engine
+        self.observer = observer
+        self._commands: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._routes: dict[str, RequestStream] = {}  # loop thread only
+        self._waiting: set[str] = set()  # submitted, no output yet; loop thread only
+        self._ids = count()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self.last_stats: dict[str, Any] = {}
+
+    # -- lifecycle ------------------------------------------------------------------
+    def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._run, name="modserve-engine", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        if self._thread is None:
+            return
+        self._commands.put(_Stop())
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            logger.warning("engine thread did not stop within %.0f s", timeout)
+        self._thread = None
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    @property
+    def num_waiting(self) -> int:
+        """Requests accepted that have not produced their first token yet."""
+        return len(self._waiting)
+
+    # -- loop side ------------------------------------------------------------------------
+    def submit(self, prompts: list[list[int]], params: SamplingParams,
+               arrival_time: float | None = None) -> "RequestStream":
+        """One engine request per prompt, all answered through one stream."""
+        if not self.alive:
+            raise EngineDead("the engine is not running")
+        arrival = time.perf_counter() if arrival_time is None else arrival_time
+        batch = next(self._ids)
+        ids = [f"req-{batch}-{i}" for i in range(len(prompts))]
+        stream = RequestStream(self, ids)
+        for rid, token_ids in zip(ids, prompts):
+            self._routes[rid] = stream
+            self._waiting.add(rid)
+            self._commands.put(_Add(rid, token_ids, params, arrival))
+        return stream
+
+    def abort(self, request_id: str) -> None:
+        if self._routes.pop(request_id, None) is None:
+            return  # already finished, failed or aborted
+        self._waiting.discard(request_id)
+        self._commands.put(_Abort(request_id))
+        if self.observer:
+            self.observer.request_ended_early("abort")
+
+    async def stats(self) -> dict[str, Any]:
+        """engine.stats(), read on the engine thread between steps."""
+        if not self.alive:
+            return self.last_stats
+        future = asyncio.get_running_loop().create_future()
+        self._commands.put(_Stats(future))
+        self.last_stats = await future
+        return self.last_stats
+
+    def _deliver(self, batch: list[tuple[str, Result]]) -> None:
+        for rid, result in batch:
+            stream = self._routes.get(rid)
+            if stream is None:
+                continue  # aborted while this step ran
+            self._waiting.discard(rid)
+            ended = isinstance(result, BaseException) or result.finished
+            if ended:
+                del self._routes[rid]
+                if self.observer:
+                    if isinstance(result, BaseException):
+                        self.observer.request_ended_early("error")
+                    else:
+                        self.observer.request_finished(result)
+            stream.put(rid, result)
+
+    # -- engine thread ------------------------------------------------------------------------
+    def _run(self) -> None:
+        engine = self.engine
+        while True:
+            # Block only when there is nothing to step: a busy engine just drains what came in.
+            if not self._drain(block=not engine.has_unfinished_requests()):
+                break
+            try:
+                outputs = engine.step()
+            except Exception as e:  # one bad step must not take the server down
+                logger.exception("engine step failed; failing the requests in flight")
+                self._fail_all(EngineError(f"the engine failed: {e}"))
+                continue
+            if outputs:
+                self._emit([(o.request_id, o) for o in outputs])
+        for rid in list(engine.requests):  # stopped with requests in flight: free their blocks
+            engine.abort_request(rid)
+
+    def _drain(self, block: bool) -> bool:
+        """Apply queued commands; False once told to stop."""
+        while True:
+            try:
+                command = self._commands.get(block=block)
+            except queue.Empty:
+                return True
+            block = False
+            if isinstance(command, _Stop):
+                return False
+            try:
+                self._apply(command)
+            except Exception:
+                logger.exception("engine command %s failed", type(command).__name__)
+
+    def _apply(self, command: Any) -> None:
+        engine = self.engine
+        if isinstance(command, _Add):
+            try:
+                engine.add_request(command.request_id, command.prompt_token_ids, command.params,
+                                   command.arrival_time)
+            except Exception as e:  # goes to that request alone
+                self._emit([(command.request_id, e)])
+        elif isinstance(command, _Abort):
+            engine.abort_request(command.request_id)
+        elif isinstance(command, _Stats):
+            try:
+                self._call_soon(_resolve, command.future, engine.stats())
+            except Exception as e:
+                self._call_soon(_resolve, command.future, None, e)
+                raise
+
+    def _fail_all(self, error: EngineError) -> None:
+        failed = list(self.engine.requests)
+        for rid in failed:
+            try:
+                self.engine.abort_request(rid)
+            except Exception:
+                logger.exception("could not abort %s after a failed step", rid)
+        self._emit([(rid, error) for rid in failed])
+
+    def _emit(self, batch: list[tuple[str, Result]]) -> None:
+        self._call_soon(self._deliver, batch)
+
+    def _call_soon(self, fn: Callable[..., None], *args: Any) -> None:
+        try:
+            self._loop.call_soon_threadsafe(fn, *args)  # type: ignore[union-attr]
+        except RuntimeError:  # the loop closed under us during shutdown
+            pass
+
+
+def _resolve(future: asyncio.Future, value: Any, error: BaseException | None = None) -> None:
+    if future.done():  # its caller gave up waiting
+        return
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(value)
+
+
+@dataclass(eq=False)
+class RequestStream:
+    """The outputs of the engine requests one HTTP request made, as they come.
+
+    Iterating yields RequestOutputs (cumulative, as the engine makes them). When
+    several steps' outputs pile up, only each request's latest is yielded.
+    ``close()`` aborts whatever has not finished; it is safe to call twice.
+    """
+
+    engine: AsyncEngine
+    request_ids: list[str]
+    _queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    _ready: deque = field(default_factory=deque)
+    _unfinished: set[str] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self._unfinished = set(self.request_ids)
+
+    def index(self, request_id: str) -> int:
+        return self.request_ids.index(request_id)
+
+    def put(self, request_id: str, result: Result) -> None:
+        self._queue.put_nowait((request_id, result))
+
+    def __aiter__(self) -> "RequestStream":
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if not self._ready:
+            if not self._unfinished:
+                raise StopAsyncIteration
+            latest = dict([await self._queue.get()])
+            while not self._queue.empty():
+                rid, result = self._queue.get_nowait()
+                latest[rid] = result
+            self._ready.extend(latest.items())
+        rid, result = self._ready.popleft()
+        if isinstance(result, BaseException):
+            self._unfinished.discard(rid)
+            self.close()
+            raise result
+        if result.finished:
+            self._unfinished.discard(rid)
+        return result
+
+    def close(self) -> None:
+        for rid in self._unfinished:
+            self.engine.abort(rid)
+        self._unfinished.clear()

@@ -1,0 +1,84 @@
+"""POST /v1/chat/completions: messages through the tokenizer's chat template, then generate."""
+
+from __future__ import annotations
+
+from typing import AsyncIterator
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.background import BackgroundTask
+
+from modserve.core.outputs import RequestOutput
+from modserve.server.async_engine import EngineError, RequestStream
+from modserve.server.errors import invalid
+from modserve.server.logprobs import chat_logprobs
+from modserve.server.protocol import (ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest,
+                                      ChatCompletionResponse, ChatMessage, ChatMessageOut, DeltaMessage, Usage,
+                                      now)
+from modserve.server.serving import (SSE_DONE, ServerState, StreamTally, arrival_time, engine_error_event,
+                                     final_outputs, new_id, sse, usage_counts)
+
+
+def chat_prompt(state: ServerState, messages: list[ChatMessage], add_generation_prompt: bool = True) -> list[int]:
+    tok = state.tokenizer
+    try:
+        text = tok.apply_chat_template([m.as_template_input() for m in messages], add_generation_prompt)
+    except ValueError as e:  # no template
+        raise invalid("messages", str(e)) from None
+    # The template already wrote every special token the model expects.
+    return tok.encode(text, add_special_tokens=False)
+
+
+async def create_chat_completion(body: ChatCompletionRequest, state: ServerState, request: Request) -> Response:
+    arrival = arrival_time()
+    state.check_model(body.model)
+    body.check()
+    prompt = chat_prompt(state, body.messages, body.add_generation_prompt)
+    state.check_prompt(prompt, "messages")
+    params = body.sampling_params(body.max_new_tokens, body.num_logprobs)
+    stream = state.submit([prompt], params, arrival)
+    response_id = new_id("chatcmpl")
+    if body.stream:
+        events = _stream(body, state, stream, response_id, len(prompt))
+        return StreamingResponse(events, media_type="text/event-stream", background=BackgroundTask(stream.close))
+    outputs = await final_outputs(stream, request)
+    return JSONResponse(_response(state, outputs, response_id).model_dump())
+
+
+def _response(state: ServerState, outputs: list[RequestOutput], response_id: str) -> ChatCompletionResponse:
+    choices = []
+    for out in outputs:
+        for c in out.outputs:
+            logprobs = chat_logprobs(c.logprobs, state.token_text) if c.logprobs is not None else None
+            choices.append(ChatChoice(index=c.index, message=ChatMessageOut(content=c.text), logprobs=logprobs,
+                                      finish_reason=c.finish_reason, stop_reason=c.stop_reason))
+    return ChatCompletionResponse(id=response_id, model=state.model_name, choices=choices,
+                                  usage=Usage.of(*usage_counts(outputs)))
+
+
+async def _stream(body: ChatCompletionRequest, state: ServerState, stream: RequestStream, response_id: str,
+                  prompt_tokens: int) -> AsyncIterator[str]:
+    created = now()
+
+    def chunk(choices: list[ChatChunkChoice], usage: Usage | None = None) -> str:
+        return sse(ChatCompletionChunk(id=response_id, created=created, model=state.model_name,
+                                       choices=choices, usage=usage))
+
+    tally = StreamTally(body.n, prompt_tokens)
+    try:
+        # As OpenAI: each choice opens with the role and empty content.
+        for i in range(body.n):
+            yield chunk([ChatChunkChoice(index=i, delta=DeltaMessage(role="assistant", content=""))])
+        async for out in stream:
+            for index, piece in tally.pieces(stream, out):
+                logprobs = chat_logprobs(piece.logprobs, state.token_text) if piece.logprobs is not None else None
+                delta = DeltaMessage(content=piece.text) if piece.text else DeltaMessage()
+                yield chunk([ChatChunkChoice(index=index, delta=delta, logprobs=logprobs,
+                                             finish_reason=piece.finish_reason, stop_reason=piece.stop_reason)])
+        if body.include_usage:
+            yield chunk([], Usage.of(prompt_tokens, tally.num_completion_tokens))
+    except EngineError as e:
+        yield engine_error_event(e)
+    finally:
+        stream.close()
+    yield SSE_DONE

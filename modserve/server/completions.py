@@ -1,0 +1,83 @@
+"""POST /v1/completions: prompts in, text completions out, whole or streamed."""
+
+from __future__ import annotations
+
+from typing import AsyncIterator
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.background import BackgroundTask
+
+from modserve.core.outputs import RequestOutput
+from modserve.server.async_engine import EngineError, RequestStream
+from modserve.server.logprobs import completion_logprobs
+from modserve.server.protocol import CompletionChoice, CompletionRequest, CompletionResponse, Usage
+from modserve.server.serving import (SSE_DONE, Piece, ServerState, StreamTally, arrival_time,
+                                     engine_error_event, final_outputs, new_id, sse, usage_counts)
+
+
+async def create_completion(body: CompletionRequest, state: ServerState, request: Request) -> Response:
+    arrival = arrival_time()
+    state.check_model(body.model)
+    body.check()
+    tok = state.tokenizer
+    prompts = [tok.encode(p) if isinstance(p, str) else list(p) for p in body.prompts()]
+    for ids in prompts:
+        state.check_prompt(ids, "prompt")
+    params = body.sampling_params(body.max_tokens, body.logprobs)
+    echoes = [tok.decode(ids, skip_special_tokens=False) for ids in prompts] if body.echo else None
+    stream = state.submit(prompts, params, arrival)
+    response_id = new_id("cmpl")
+    if body.stream:
+        events = _stream(body, state, stream, response_id, echoes, sum(map(len, prompts)))
+        return StreamingResponse(events, media_type="text/event-stream", background=BackgroundTask(stream.close))
+    outputs = await final_outputs(stream, request)
+    return JSONResponse(_response(body, state, outputs, response_id, echoes).model_dump())
+
+
+def _response(body: CompletionRequest, state: ServerState, outputs: list[RequestOutput],
+              response_id: str, echoes: list[str] | None) -> CompletionResponse:
+    choices = []
+    for i, out in enumerate(outputs):
+        prefix = echoes[i] if echoes else ""
+        for c in out.outputs:
+            logprobs = None
+            if c.logprobs is not None:
+                logprobs = completion_logprobs(c.logprobs, state.token_text, len(prefix))
+            choices.append(CompletionChoice(index=i * body.n + c.index, text=prefix + c.text, logprobs=logprobs,
+                                            finish_reason=c.finish_reason, stop_reason=c.stop_reason))
+    return CompletionResponse(id=response_id, model=state.model_name, choices=choices,
+                              usage=Usage.of(*usage_counts(outputs)))
+
+
+async def _stream(body: CompletionRequest, state: ServerState, stream: RequestStream, response_id: str,
+                  echoes: list[str] | None, prompt_tokens: int) -> AsyncIterator[str]:
+    tally = StreamTally(body.n, prompt_tokens)
+    offsets: dict[int, int] = {}  # choice index -> characters sent, for logprobs' text_offset
+    try:
+        if echoes:
+            for i, echo in enumerate(echoes):
+                for j in range(body.n):
+                    offsets[i * body.n + j] = len(echo)
+                    yield _chunk(response_id, state, i * body.n + j, Piece(echo, None, None, None), None)
+        async for out in stream:
+            for index, piece in tally.pieces(stream, out):
+                logprobs = None
+                if piece.logprobs is not None:
+                    logprobs = completion_logprobs(piece.logprobs, state.token_text, offsets.get(index, 0))
+                offsets[index] = offsets.get(index, 0) + len(piece.text)
+                yield _chunk(response_id, state, index, piece, logprobs)
+        if body.include_usage:
+            usage = Usage.of(prompt_tokens, tally.num_completion_tokens)
+            yield sse(CompletionResponse(id=response_id, model=state.model_name, choices=[], usage=usage))
+    except EngineError as e:
+        yield engine_error_event(e)
+    finally:
+        stream.close()  # a client that went away aborts here (or in the response's background task)
+    yield SSE_DONE
+
+
+def _chunk(response_id: str, state: ServerState, index: int, piece: Piece, logprobs) -> str:
+    choice = CompletionChoice(index=index, text=piece.text, logprobs=logprobs,
+                              finish_reason=piece.finish_reason, stop_reason=piece.stop_reason)
+    return sse(CompletionResponse(id=response_id, model=state.model_name, choices=[choice]))

@@ -1,0 +1,87 @@
+"""Prometheus metrics: engine gauges and counters read at scrape time, request timings as they end.
+
+Each app has its own CollectorRegistry, so several servers in one process
+(tests) never clash over metric names.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from modserve.core.outputs import RequestOutput
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0,
+                    40.0, 80.0)
+_ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1, 0.2, 0.4, 0.8, 1.0, 2.5)
+
+# (metric name, engine.stats() key, help). Gauges are states; counters only ever grow.
+_GAUGES = (
+    ("modserve_num_requests_running", "num_running", "Sequences in the running batch (a request with n=2 counts 2)"),
+    ("modserve_num_requests_waiting", "num_waiting", "Sequences waiting to be scheduled"),
+    ("modserve_num_requests_swapped", "num_swapped", "Sequences whose KV is swapped out to host memory"),
+    ("modserve_kv_blocks_total", "kv_blocks_total", "KV cache blocks in all"),
+    ("modserve_kv_blocks_free", "kv_blocks_free", "KV cache blocks free"),
+    ("modserve_kv_cache_usage_ratio", "kv_usage", "Fraction of KV cache blocks in use"),
+)
+_COUNTERS = (
+    ("modserve_num_preemptions", "num_preemptions", "Sequences preempted for lack of KV blocks"),
+    ("modserve_prompt_tokens", "prompt_tokens", "Prompt tokens received"),
+    ("modserve_generation_tokens", "generation_tokens", "Tokens generated"),
+    ("modserve_engine_steps", "steps", "Engine steps run"),
+)
+
+
+class EngineStatsCollector(Collector):
+    """Turns the latest engine.stats() snapshot into metric families at scrape time."""
+
+    def __init__(self) -> None:
+        self.stats: dict[str, Any] = {}
+
+    def collect(self) -> Iterator[Metric]:
+        stats = self.stats
+        for name, key, doc in _GAUGES:
+            yield GaugeMetricFamily(name, doc, value=float(stats.get(key, 0)))
+        used = stats.get("kv_blocks_total", 0) - stats.get("kv_blocks_free", 0)
+        yield GaugeMetricFamily("modserve_kv_blocks_used", "KV cache blocks in use", value=float(used))
+        for name, key, doc in _COUNTERS:
+            yield CounterMetricFamily(name, doc, value=float(stats.get(key, 0)))
+
+
+class ServerMetrics:
+    """The app's registry; also the AsyncEngine's RequestObserver."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self.engine_stats = EngineStatsCollector()
+        self.registry.register(self.engine_stats)
+        self.ttft = Histogram("modserve_time_to_first_token_seconds", "Arrival to first token",
+                              buckets=_LATENCY_BUCKETS, registry=self.registry)
+        self.itl = Histogram("modserve_inter_token_latency_seconds", "Time between consecutive output tokens",
+                             buckets=_ITL_BUCKETS, registry=self.registry)
+        self.e2e = Histogram("modserve_e2e_request_latency_seconds", "Arrival to last token",
+                             buckets=_LATENCY_BUCKETS, registry=self.registry)
+        self.finished = Counter("modserve_requests_finished", "Requests ended, by finish reason "
+                                "(stop, length, abort, error); per sample when n > 1",
+                                ["finish_reason"], registry=self.registry)
+
+    def request_finished(self, output: RequestOutput) -> None:
+        m = output.metrics
+        if m.ttft is not None:
+            self.ttft.observe(m.ttft)
+        for gap in m.inter_token_latencies:
+            self.itl.observe(gap)
+        if m.finished_time is not None:
+            self.e2e.observe(m.finished_time - m.arrival_time)
+        for c in output.outputs:
+            self.finished.labels(c.finish_reason or "unknown").inc()
+
+    def request_ended_early(self, reason: str) -> None:
+        self.finished.labels(reason).inc()
+
+    def render(self, stats: dict[str, Any]) -> bytes:
+        self.engine_stats.stats = stats
+        return generate_latest(self.registry)

@@ -1,0 +1,167 @@
+"""What the completions and chat routes share: admission, prompt checks, SSE, text deltas."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Iterator
+
+from fastapi import Request
+from pydantic import BaseModel
+
+from modserve.core.outputs import CompletionOutput, RequestOutput
+from modserve.core.sampling_params import SamplingParams
+from modserve.core.tokenizer import Tokenizer
+from modserve.server.async_engine import AsyncEngine, EngineDead, EngineError, RequestStream
+from modserve.server.errors import APIError, invalid
+
+SSE_DONE = "data: [DONE]\n\n"
+
+
+def sse(payload: BaseModel | dict[str, Any]) -> str:
+    data = payload.model_dump_json() if isinstance(payload, BaseModel) else _json(payload)
+    return f"data: {data}\n\n"
+
+
+def _json(payload: dict[str, Any]) -> str:
+    import json
+
+    return json.dumps(payload, ensure_ascii=False)
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+@dataclass(slots=True)
+class ServerState:
+    """Everything a route needs; one per app, on ``app.state.server``."""
+
+    engine: AsyncEngine
+    # NOTE: the server's own tokenizer, used on the event-loop thread only; the engine
+    # thread keeps the engine's, so the two never share a Rust tokenizer across threads.
+    tokenizer: Tokenizer
+    model_name: str
+    model_path: str
+    max_model_len: int
+    max_waiting_requests: int
+    token_strings: dict[int, str] = field(default_factory=dict)
+
+    def check_model(self, name: str | None) -> None:
+        if name is not None and name != self.model_name:
+            raise APIError(404, f"The model `{name}` does not exist. This server serves `{self.model_name}`.",
+                           param="model", code="model_not_found")
+
+    def check_prompt(self, token_ids: list[int], param: str) -> None:
+        try:
+            self.engine.engine.validate_prompt(token_ids)  # reads only immutable engine settings
+        except ValueError as e:
+            raise invalid(param, str(e)) from None
+
+    def submit(self, prompts: list[list[int]], params: SamplingParams, arrival: float) -> RequestStream:
+        """Hand the prompts to the engine, or 503 when too many are already waiting."""
+        if self.engine.num_waiting + len(prompts) > self.max_waiting_requests:
+            raise APIError(503, f"The server is overloaded: {self.engine.num_waiting} requests are waiting "
+                           f"(max_waiting_requests={self.max_waiting_requests}). Retry shortly.",
+                           type="server_error", code="server_overloaded", headers={"Retry-After": "1"})
+        try:
+            return self.engine.submit(prompts, params, arrival)
+        except EngineDead as e:
+            raise APIError(503, str(e), type="server_error", code="engine_dead") from None
+
+    def token_text(self, token_id: int) -> str:
+        text = self.token_strings.get(token_id)
+        if text is None:
+            text = self.token_strings[token_id] = self.tokenizer.decode([token_id], skip_special_tokens=False)
+        return text
+
+
+async def final_outputs(stream: RequestStream, request: Request) -> list[RequestOutput]:
+    """Run a non-streamed request to the end; a client that hangs up aborts it."""
+    latest: dict[str, RequestOutput] = {}
+    try:
+        async for out in stream:
+            latest[out.request_id] = out
+            if await request.is_disconnected():
+                break
+    except EngineError as e:
+        raise APIError(500, str(e), type="server_error", code="engine_error") from None
+    finally:
+        stream.close()
+    return [latest[rid] for rid in stream.request_ids if rid in latest]
+
+
+def engine_error_event(e: EngineError) -> str:
+    return sse(APIError(500, str(e), type="server_error", code="engine_error").body())
+
+
+@dataclass(slots=True)
+class Cursor:
+    """How much of one choice a stream has sent so far."""
+
+    text: int = 0
+    tokens: int = 0
+    started: bool = False
+    done: bool = False
+
+
+@dataclass(slots=True)
+class Piece:
+    text: str
+    logprobs: list[dict[str, Any]] | None
+    finish_reason: str | None
+    stop_reason: int | str | None
+
+
+def next_piece(cursor: Cursor, c: CompletionOutput) -> Piece | None:
+    """The new text (and its tokens' logprobs) of one choice, or None if nothing to send yet.
+
+    NOTE: the engine's cumulative text only ever grows (it holds back a possible
+    stop-string prefix), so deltas joined equal the final text.
+    """
+    if cursor.done:
+        return None
+    text = c.text[cursor.text:]
+    if not text and not c.finished:
+        return None
+    logprobs = c.logprobs[cursor.tokens:] if c.logprobs is not None else None
+    cursor.text = len(c.text)
+    cursor.tokens = len(c.logprobs) if c.logprobs is not None else len(c.token_ids)
+    cursor.done = c.finished
+    return Piece(text, logprobs, c.finish_reason, c.stop_reason)
+
+
+@dataclass(slots=True)
+class StreamTally:
+    """Choice cursors and token counts across the requests of one stream."""
+
+    n: int
+    prompt_tokens: int
+    cursors: dict[tuple[int, int], Cursor] = field(default_factory=dict)
+    completion_tokens: dict[tuple[int, int], int] = field(default_factory=dict)
+
+    def pieces(self, stream: RequestStream, out: RequestOutput) -> Iterator[tuple[int, Piece]]:
+        """(choice index, piece) for every choice of ``out`` with something new to send."""
+        prompt_index = stream.index(out.request_id)
+        for c in out.outputs:
+            key = (prompt_index, c.index)
+            self.completion_tokens[key] = len(c.token_ids)
+            piece = next_piece(self.cursors.setdefault(key, Cursor()), c)
+            if piece is not None:
+                yield prompt_index * self.n + c.index, piece
+
+    @property
+    def num_completion_tokens(self) -> int:
+        return sum(self.completion_tokens.values())
+
+
+def usage_counts(outputs: list[RequestOutput]) -> tuple[int, int]:
+    prompt = sum(len(o.prompt_token_ids) for o in outputs)
+    completion = sum(len(c.token_ids) for o in outputs for c in o.outputs)
+    return prompt, completion
+
+
+def arrival_time() -> float:
+    # perf_counter, as the engine's own timings: TTFT then includes the time in the queue.
+    return time.perf_counter()
