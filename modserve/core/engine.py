@@ -101,6 +101,7 @@ class LLMEngine:
         prompt: str | list[int],
         params: SamplingParams | None = None,
         arrival_time: float | None = None,
+        priority: int = 0,
     ) -> None:
         params = params or SamplingParams()
         if request_id in self.requests:
@@ -115,7 +116,7 @@ class LLMEngine:
         seqs = []
         for i in range(params.n):
             seq = Sequence(next(self._seq_ids), request_id, list(token_ids), len(token_ids), params,
-                           metrics.arrival_time, index=i)
+                           metrics.arrival_time, index=i, priority=priority)
             if params.seed is not None:
                 seq.generator = torch.Generator(self.runner.device).manual_seed(params.seed + i)
             seq.detok = self.tokenizer.stream(params.skip_special_tokens)

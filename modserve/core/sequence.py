@@ -32,6 +32,7 @@ class Sequence:
     params: SamplingParams
     arrival_time: float
     index: int = 0  # which of the request's n samples this is
+    priority: int = 0  # lower runs first under the priority scheduler
     num_computed_tokens: int = 0
     block_ids: list[int] = field(default_factory=list)
     # Content keys of the sequence's full blocks, chained from the first; filled by
