@@ -38,9 +38,10 @@ class EngineConfig(BaseModel):
     model: str = Field(description="Path to a Hugging Face checkpoint directory")
     tokenizer: str | None = Field(None, description="Tokenizer directory (default: the model's)")
     served_model_name: str | None = Field(None, description="Name reported by the API (default: the model path)")
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="Compute dtype; auto: the checkpoint's on GPU, float32 on CPU")
     max_model_len: int | None = Field(None, gt=0, description="Default: the model's max_position_embeddings")
-    block_size: int = Field(16, gt=0)
+    block_size: int = Field(16, gt=0, description="Tokens per KV block")
     kv_cache_memory_gb: float | None = Field(None, gt=0, description="KV cache size; wins over the fraction")
     kv_cache_memory_fraction: float = Field(0.2, gt=0, le=0.95, description="Fraction of free memory for KV")
     num_kv_blocks: int | None = Field(None, gt=0, description="Exact block count (overrides both sizes)")
@@ -48,16 +49,16 @@ class EngineConfig(BaseModel):
         "recompute", description="When blocks run out: drop the KV and recompute it, or copy it to host memory")
     swap_space_gb: float = Field(4.0, ge=0, description="Host memory for swapped-out KV (preemption_mode: swap)")
     num_swap_blocks: int | None = Field(None, ge=0, description="Exact host block count (overrides swap_space_gb)")
-    max_num_seqs: int = Field(128, gt=0)
-    max_num_batched_tokens: int = Field(2048, gt=0)
+    max_num_seqs: int = Field(128, gt=0, description="Most sequences running at once")
+    max_num_batched_tokens: int = Field(2048, gt=0, description="Token budget of one step (prefill chunk size)")
     max_waiting_requests: int = Field(1024, gt=0, description="Server: beyond this, 503")
-    seed: int = 0
-    device: str = "cpu"
+    seed: int = Field(0, description="Seed of the global sampling RNG (per-request seeds are separate)")
+    device: str = Field("cpu", description="torch device: cpu, cuda, cuda:1")
     num_threads: int | None = Field(None, gt=0, description="torch intra-op threads (default: torch's)")
-    attention_backend: PluginChoice = PluginChoice(name="paged")
-    kv_allocator: PluginChoice = PluginChoice(name="paged")
-    scheduler: PluginChoice = PluginChoice(name="fcfs")
-    sampler: PluginChoice = PluginChoice(name="default")
+    attention_backend: PluginChoice = Field(PluginChoice(name="paged"), description="Attention backend plugin")
+    kv_allocator: PluginChoice = Field(PluginChoice(name="paged"), description="KV block allocator plugin")
+    scheduler: PluginChoice = Field(PluginChoice(name="fcfs"), description="Scheduling policy plugin")
+    sampler: PluginChoice = Field(PluginChoice(name="default"), description="Sampler plugin")
 
     @field_validator("model")
     @classmethod

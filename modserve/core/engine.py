@@ -45,6 +45,7 @@ class LLMEngine:
         registry = registry or get_registry()
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
+        torch.manual_seed(config.seed)  # unseeded requests draw from the global generator
         hf_config = load_hf_config(config.model)
         self.max_model_len = resolve_max_model_len(config, hf_config)
         self.dtype = resolve_dtype(config.dtype, hf_config, torch.device(config.device))
