@@ -1,0 +1,11 @@
+from modserve.core.hookspecs import hookimpl
+
+
+@hookimpl
+def register_proposers(register) -> None:
+    register(
+        "ngram",
+        "modserve.plugins.proposers.ngram:NgramProposer",
+        options="modserve.plugins.proposers.ngram:NgramOptions",
+        description="prompt lookup: continue the latest earlier match of the sequence's tail",
+    )
