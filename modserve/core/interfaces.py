@@ -359,12 +359,45 @@ class GrammarBackend(ABC):
     def matcher(self, compiled: Any) -> GrammarMatcher: ...
 
 
-class Proposer(ABC):
-    """Proposes draft tokens for speculative decoding."""
+@dataclass(slots=True)
+class ProposerContext:
+    """What a proposer may need to build itself: the engine's settings and resources."""
 
-    def __init__(self, num_speculative_tokens: int, options: BaseModel | None = None) -> None:
-        self.k = num_speculative_tokens
+    config: Any  # EngineConfig
+    registry: Any  # Registry, to load a draft model's architecture and attention backend
+    device: torch.device
+    dtype: torch.dtype
+    num_blocks: int  # a proposer with its own KV cache shares the target's block tables
+    block_size: int
+    max_model_len: int
+    vocab_size: int
+    sampler: "Sampler"  # to turn draft logits into the request's processed distribution
+
+
+@dataclass(slots=True)
+class Proposal:
+    token_ids: list[list[int]]  # per sequence, at most k draft tokens continuing seq.token_ids
+    # [B, K, V] the distributions the drafts were drawn from (rows past a sequence's
+    # drafts are ignored); None when proposals are deterministic (q is one-hot).
+    probs: torch.Tensor | None = None
+
+
+class Proposer(ABC):
+    """Proposes draft tokens for speculative decoding.
+
+    Contract: ``propose(seqs, k)`` is called once per step for sequences about to
+    decode, after their KV blocks for ``1 + k`` new tokens were allocated; it returns
+    at most ``k`` tokens per sequence (fewer, or none, is fine). A proposer with a KV
+    cache of its own writes it only at slots of those blocks. ``forget(seq)`` is
+    called when a sequence finishes, is aborted or preempted.
+    """
+
+    def __init__(self, context: ProposerContext, options: BaseModel | None = None) -> None:
+        self.context = context
         self.options = options
 
     @abstractmethod
-    def propose(self, seqs: list[Sequence]) -> list[list[int]]: ...
+    def propose(self, seqs: list[Sequence], k: int) -> Proposal: ...
+
+    def forget(self, seq: Sequence) -> None:
+        """Drop any per-sequence state."""
