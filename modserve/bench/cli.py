@@ -1,0 +1,276 @@
+"""``modserve bench {throughput,latency,serve}``, ``modserve compare`` and ``modserve plan``.
+
+Heavy imports (torch, transformers, httpx) happen inside the commands.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import platform
+import sys
+from pathlib import Path
+from typing import Any, Sequence
+
+from modserve.bench.pinning import add_pinning_flags, pin
+from modserve.bench.workloads import add_workload_flags
+
+HARDWARE_CHOICES = ("h100", "h200", "b200", "a100-80g", "cpu")
+
+
+def add_parsers(sub: Any) -> None:
+    from modserve.cli import add_config_flags
+
+    bench = sub.add_parser("bench", help="benchmark throughput, latency, or a running server")
+    kinds = bench.add_subparsers(dest="bench_command", required=True)
+
+    p = kinds.add_parser("throughput", help="offline: a workload through LLM.generate")
+    add_config_flags(p)
+    add_workload_flags(p, num_prompts=64)
+    add_pinning_flags(p)
+    p.add_argument("--baseline", choices=["hf"], help="also run transformers generate, interleaved")
+    p.add_argument("--hf-batch-size", type=int, default=16, help="static batch size of the hf baseline")
+    p.add_argument("--output-json", help="write every run's figures here")
+    p.set_defaults(func=cmd_throughput)
+
+    p = kinds.add_parser("latency", help="offline: single-stream TTFT and time per output token")
+    add_config_flags(p)
+    p.add_argument("--input-len", type=int, default=128)
+    p.add_argument("--output-len", type=int, default=64)
+    p.add_argument("--hardware", choices=HARDWARE_CHOICES, default=None,
+                   help="for the decode ceiling (default: cpu, measured, when the device is the CPU)")
+    add_pinning_flags(p)
+    p.add_argument("--output-json", help="write every run's figures here")
+    p.set_defaults(func=cmd_latency)
+
+    p = kinds.add_parser("serve", help="load-test an OpenAI-compatible server")
+    p.add_argument("--base-url", required=True, help="e.g. http://127.0.0.1:8000")
+    p.add_argument("--endpoint", default="/v1/completions", help="or /v1/chat/completions")
+    p.add_argument("--model", help="model name to request (default: the first of /v1/models)")
+    p.add_argument("--tokenizer", help="tokenizer directory: the vocabulary of random workloads, "
+                                       "reply lengths of ShareGPT files")
+    add_workload_flags(p, num_prompts=64)
+    p.add_argument("--request-rate", type=float, default=math.inf, help="requests/s (default: all at once)")
+    p.add_argument("--burstiness", type=float, default=1.0,
+                   help="gamma shape of the arrival gaps: 1 Poisson, <1 burstier, >1 more regular")
+    p.add_argument("--max-concurrency", type=int, default=None)
+    p.add_argument("--goodput", nargs="+", default=[], metavar="NAME:MS",
+                   help="SLOs a request must meet to count towards goodput: ttft:MS tpot:MS e2el:MS")
+    p.add_argument("--seed", type=int, default=0, help="seed of the arrival times")
+    p.add_argument("--request-timeout", type=float, default=600.0)
+    add_pinning_flags(p, warmups="warm-up requests sent (one at a time) before each timed run", threads=False)
+    p.add_argument("--result-json", help="write the full result (every request's timings) here")
+    p.set_defaults(func=cmd_serve)
+
+    p = sub.add_parser("compare", help="A/B two engine configs: agreement, logits, speed")
+    p.add_argument("config_a")
+    p.add_argument("config_b")
+    p.add_argument("--model", help="model directory for both configs (overrides theirs)")
+    add_workload_flags(p, num_prompts=16)
+    add_pinning_flags(p)
+    p.add_argument("--probe-prompts", type=int, default=4, help="prompts whose logits are compared")
+    p.add_argument("--probe-tokens", type=int, default=8, help="decode steps per probe prompt")
+    p.add_argument("--min-agreement", type=float, default=0.9,
+                   help="fail (exit 1) when fewer requests than this fraction agree exactly")
+    p.add_argument("--max-logit-diff", type=float, default=None,
+                   help="fail (exit 1) when the max logit difference exceeds this")
+    p.add_argument("--out-dir", default="build/compare", help="where compare.md and compare.png go")
+    p.set_defaults(func=cmd_compare)
+
+    p = sub.add_parser("plan", help="capacity planning: memory, KV budget, decode ceiling")
+    p.add_argument("--model", required=True, help="checkpoint directory or its config.json")
+    p.add_argument("--hardware", choices=HARDWARE_CHOICES, default="h100")
+    p.add_argument("--dtype", help="weights: float32, bfloat16, float16, fp8, int8, int4 (default: the checkpoint's)")
+    p.add_argument("--kv-dtype", help="KV cache values (default: the weights', at least bfloat16)")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel devices")
+    p.add_argument("--context-len", type=int, default=0, help="tokens of KV each decode step reads")
+    p.add_argument("--memory-fraction", type=float, default=0.9, help="of device memory for weights + KV")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_plan)
+
+
+# -- offline ---------------------------------------------------------------------------
+def _engine(args: argparse.Namespace):
+    from modserve import LLM
+    from modserve.cli import config_from_args
+
+    return LLM(config=config_from_args(args), progress=False)
+
+
+def _header(llm: Any, pinning: str) -> list[str]:
+    import torch
+
+    cfg = llm.config
+    return [f"model: {cfg.model} ({str(llm.engine.dtype).removeprefix('torch.')}, device {cfg.device})",
+            f"engine: attention {cfg.attention_backend.name}, kv_allocator {cfg.kv_allocator.name}, "
+            f"scheduler {cfg.scheduler.name}, max_num_seqs {cfg.max_num_seqs}",
+            f"machine: {platform.processor() or platform.machine()}, torch {torch.__version__}, {pinning}"]
+
+
+def _workload_line(args: argparse.Namespace, requests: Sequence[Any]) -> str:
+    prompt = sum(r.prompt_len for r in requests)
+    output = sum(r.output_len for r in requests)
+    return (f"workload: {args.workload}, {len(requests)} requests, {prompt:,} prompt + {output:,} output "
+            f"tokens (greedy, EOS ignored)")
+
+
+def _write_json(path: str | None, data: Any) -> None:
+    if path:
+        Path(path).write_text(json.dumps(data, indent=2))
+        print(f"wrote {path}")
+
+
+def cmd_throughput(args: argparse.Namespace) -> int:
+    from modserve.bench.offline import EngineRunner, agreement, interleave
+    from modserve.bench.report import spread_table
+    from modserve.bench.workloads import load_workload, tokenize
+
+    pinning = pin(args)
+    llm = _engine(args)
+    tok = llm.get_tokenizer()
+    requests = tokenize(load_workload(args, tok.hf), tok)
+    runners: list[Any] = [EngineRunner(llm)]
+    if args.baseline == "hf":
+        from modserve.bench.hf_baseline import HFRunner
+
+        runners.append(HFRunner(llm.config.model, llm.engine.dtype, args.hf_batch_size))
+    runs = interleave(runners, requests, args.repeats, args.warmups)
+    figures = {name: [r.figures() for r in rs] for name, rs in runs.items()}
+    print("\n".join(_header(llm, pinning) + [_workload_line(args, requests)]))
+    print(f"median [min-max] over {args.repeats} repeats" + (", interleaved" if len(runners) > 1 else ""))
+    print(spread_table(figures))
+    if args.baseline:
+        rate, _ = agreement(runs["modserve"][0].token_ids, runs["hf"][0].token_ids)
+        print(f"greedy agreement with hf (batch {args.hf_batch_size}): {rate:.1%} of requests identical")
+    _write_json(args.output_json, figures)
+    return 0
+
+
+def cmd_latency(args: argparse.Namespace) -> int:
+    from modserve.bench.offline import single_stream
+    from modserve.bench.plan import ModelShape, hardware, plan
+    from modserve.bench.report import spread_table
+
+    pinning = pin(args)
+    llm = _engine(args)
+    runs = single_stream(llm, args.input_len, args.output_len, args.repeats, args.warmups)
+    figures = {"modserve": [r.figures() for r in runs]}
+    print("\n".join(_header(llm, pinning)))
+    print(f"single stream: {args.input_len} prompt tokens, {args.output_len} output tokens; "
+          f"median [min-max] over {args.repeats} runs")
+    print(spread_table(figures, digits=2))
+    hw_name = args.hardware or ("cpu" if llm.config.device == "cpu" else None)
+    if hw_name:
+        dtype = str(llm.engine.dtype).removeprefix("torch.")
+        p = plan(ModelShape.load(llm.config.model), hardware(hw_name, dtype), dtype,
+                 context_len=args.input_len + args.output_len // 2)
+        rates = sorted(r.figures()["decode tok/s"] for r in runs)
+        rate = rates[len(rates) // 2]
+        print(f"decode {rate:.1f} tok/s = {rate / p.decode_ceiling_tok_s:.0%} of the {hw_name} single-stream "
+              f"ceiling of {p.decode_ceiling_tok_s:.1f} tok/s ({p.bandwidth / 1e9:.1f} GB/s over "
+              f"{p.weight_bytes / 2**20:.0f} MiB of weights + KV per step)")
+        figures["ceiling_tok_s"] = p.decode_ceiling_tok_s  # type: ignore[assignment]
+    _write_json(args.output_json, figures)
+    return 0
+
+
+# -- server -----------------------------------------------------------------------------
+def cmd_serve(args: argparse.Namespace) -> int:
+    from modserve.bench.metrics import parse_slos
+    from modserve.bench.report import spread_table
+    from modserve.bench.serve_client import ServeSettings, headline, run
+    from modserve.bench.workloads import load_workload
+
+    slos = parse_slos(args.goodput)
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request otherwise
+    pinning = pin(args)
+    tokenizer = None
+    if args.tokenizer:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(args.tokenizer, local_files_only=True)
+    requests = load_workload(args, tokenizer)
+    settings = ServeSettings(args.base_url, args.endpoint, args.model, args.request_rate, args.burstiness,
+                             args.max_concurrency, args.warmups, slos, args.seed, args.request_timeout)
+    results = []
+    for i in range(args.repeats):
+        settings.seed = args.seed + i
+        results.append(run(settings, requests))
+    first = results[0]
+    rate = "all at once" if first["request_rate"] is None else f"{first['request_rate']} req/s"
+    print(f"server: {args.base_url}{args.endpoint}, model {first['model']}; client: {pinning}")
+    print(f"workload: {args.workload}, {len(requests)} requests; arrivals {rate}, burstiness "
+          f"{args.burstiness}, max concurrency {args.max_concurrency or 'unlimited'}")
+    failed = sum(r["failed"] for r in results)
+    print(f"completed {sum(r['completed'] for r in results)}, failed {failed}" +
+          (f" (first error: {_first_error(results)})" if failed else ""))
+    if slos:
+        print("goodput SLOs: " + ", ".join(f"{k} <= {v * 1e3:g} ms" for k, v in slos.items()))
+    print(f"median [min-max] over {args.repeats} runs")
+    print(spread_table({"server": [headline(r) for r in results]}, digits=1))
+    _write_json(args.result_json, {"runs": results})
+    return 0 if not failed else 1
+
+
+def _first_error(results: list[dict[str, Any]]) -> str:
+    return next(req["error"] for r in results for req in r["requests"] if req["error"])
+
+
+# -- compare and plan ---------------------------------------------------------------------
+def cmd_compare(args: argparse.Namespace) -> int:
+    from modserve import LLM
+    from modserve.bench.compare import compare, labels_for, verdict, write_report
+    from modserve.bench.workloads import load_workload, tokenize
+    from modserve.core.config import EngineConfig
+
+    pinning = pin(args)
+    overrides = {"model": args.model} if args.model else {}
+    configs = [EngineConfig.from_file(path, **overrides) for path in (args.config_a, args.config_b)]
+    llm_a, llm_b = (LLM(config=c, progress=False) for c in configs)
+    tok = llm_a.get_tokenizer()
+    requests = tokenize(load_workload(args, tok.hf), tok)
+    labels = labels_for(args.config_a, args.config_b)
+    result = compare(llm_a, llm_b, labels, requests, args.repeats, args.warmups,
+                     args.probe_prompts, args.probe_tokens)
+    failures = verdict(result, args.min_agreement, args.max_logit_diff)
+    context = [f"`{labels[0]}`: {_changed(configs[0], configs[1])}",
+               f"`{labels[1]}`: {_changed(configs[1], configs[0])}",
+               *(f"- {line}" for line in _header(llm_a, pinning)),
+               f"- {_workload_line(args, requests)}"]
+    path = write_report(result, args.out_dir, f"A/B: {labels[0]} vs {labels[1]}", context, failures)
+    print(path.read_text())
+    print(f"wrote {path} and {path.with_suffix('.png')}")
+    if failures:
+        print("compare FAILED: " + "; ".join(failures), file=sys.stderr)
+        return 1
+    return 0
+
+
+def _changed(config: Any, other: Any) -> str:
+    """The settings in which one config differs from the other."""
+    a, b = config.model_dump(), other.model_dump()
+
+    def show(value: Any) -> str:  # a plugin choice without options reads as its name
+        if isinstance(value, dict) and set(value) == {"name", "options"} and not value["options"]:
+            return value["name"]
+        return str(value)
+
+    return ", ".join(f"{k}={show(v)}" for k, v in a.items() if b.get(k) != v) or "(same settings)"
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    from dataclasses import asdict
+
+    from modserve.bench.plan import ModelShape, hardware, normalize_dtype, plan
+
+    shape = ModelShape.load(args.model)
+    dtype = normalize_dtype(args.dtype or shape.dtype)
+    result = plan(shape, hardware(args.hardware, dtype), dtype, args.kv_dtype, args.tp, args.context_len,
+                  args.memory_fraction)
+    if args.json:
+        print(json.dumps(asdict(result), indent=2))
+    else:
+        print("\n".join(result.lines()))
+    return 0

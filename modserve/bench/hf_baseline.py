@@ -1,0 +1,55 @@
+"""The ``hf`` baseline: transformers ``generate`` on static, left-padded batches.
+
+This is how one serves a model without an engine: requests are cut into batches
+of ``batch_size`` in workload order; each batch is left-padded to its longest
+prompt and generates as many tokens as its longest request wants (EOS suppressed
+until then), greedily. Throughput counts only the tokens each request asked for,
+so the rows that wait for the batch's longest request are the baseline's cost.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Sequence
+
+import torch
+from transformers import GenerationConfig
+
+from modserve.bench.offline import Run
+from modserve.bench.workloads import BenchRequest
+
+
+class HFRunner:
+    name = "hf"
+
+    def __init__(self, model_dir: str, dtype: torch.dtype, batch_size: int = 16) -> None:
+        from transformers import AutoModelForCausalLM
+
+        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, local_files_only=True).eval()
+        self.batch_size = batch_size
+        gen = self.model.generation_config
+        self.pad_id = gen.pad_token_id if gen.pad_token_id is not None else 0
+        self.special_ids = dict(pad_token_id=self.pad_id, eos_token_id=gen.eos_token_id,
+                                bos_token_id=gen.bos_token_id)
+
+    @torch.inference_mode()
+    def run(self, requests: Sequence[BenchRequest]) -> Run:
+        token_ids: list[list[int]] = []
+        start = time.perf_counter()
+        for i in range(0, len(requests), self.batch_size):
+            token_ids.extend(self._batch(requests[i : i + self.batch_size]))
+        wall = time.perf_counter() - start
+        return Run(wall, sum(r.prompt_len for r in requests), sum(r.output_len for r in requests),
+                   token_ids=token_ids)
+
+    def _batch(self, batch: Sequence[BenchRequest]) -> list[list[int]]:
+        width = max(r.prompt_len for r in batch)
+        input_ids = torch.full((len(batch), width), self.pad_id, dtype=torch.int64)  # [B, S]
+        mask = torch.zeros((len(batch), width), dtype=torch.int64)  # [B, S]
+        for row, r in enumerate(batch):
+            input_ids[row, width - r.prompt_len :] = torch.tensor(r.prompt_token_ids)
+            mask[row, width - r.prompt_len :] = 1
+        new = max(r.output_len for r in batch)
+        config = GenerationConfig(do_sample=False, max_new_tokens=new, min_new_tokens=new, **self.special_ids)
+        out = self.model.generate(input_ids=input_ids, attention_mask=mask, generation_config=config)
+        return [out[row, width : width + r.output_len].tolist() for row, r in enumerate(batch)]

@@ -1,0 +1,323 @@
+"""Benchmarks, A/B comparison and the capacity planner: the arithmetic by hand, the commands end to end."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+import types
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from modserve.bench import metrics, plan, serve_client, workloads
+from modserve.bench.metrics import RequestResult
+from modserve.bench.workloads import BenchRequest
+from modserve.cli import main
+from modserve.core.hookspecs import hookimpl
+from modserve.core.registry import get_registry
+
+POOL = np.arange(3, 4096)
+
+
+# -- workloads ----------------------------------------------------------------------------
+def test_random_workload_is_deterministic_and_in_range():
+    a = workloads.random_requests(32, 100, 20, POOL, range_ratio=0.5, prefix_len=10, seed=1)
+    assert a == workloads.random_requests(32, 100, 20, POOL, range_ratio=0.5, prefix_len=10, seed=1)
+    assert a != workloads.random_requests(32, 100, 20, POOL, range_ratio=0.5, prefix_len=10, seed=2)
+    assert all(10 + 50 <= r.prompt_len <= 10 + 150 and 10 <= r.output_len <= 30 for r in a)
+    assert len({tuple(r.prompt_token_ids[:10]) for r in a}) == 1  # the shared prefix
+    assert len({r.prompt_len for r in a}) > 1
+    fixed = workloads.random_requests(4, 7, 3, POOL)
+    assert [(r.prompt_len, r.output_len) for r in fixed] == [(7, 3)] * 4
+
+
+def test_prefix_repetition_reuses_each_prefix():
+    reqs = workloads.prefix_repetition_requests(12, 8, 4, 3, 5, POOL, seed=0)
+    assert reqs == workloads.prefix_repetition_requests(12, 8, 4, 3, 5, POOL, seed=0)
+    prefixes = [tuple(r.prompt_token_ids[:8]) for r in reqs]
+    assert sorted(prefixes.count(p) for p in set(prefixes)) == [4, 4, 4]
+    assert all(r.prompt_len == 12 and r.output_len == 5 for r in reqs)
+
+
+def test_file_workloads(tmp_path, llama_dir):
+    custom = tmp_path / "w.jsonl"
+    custom.write_text('{"prompt": "hi there", "output_tokens": 3}\n\n'
+                      '{"prompt_token_ids": [5, 6, 7], "output_len": 2}\n')
+    assert workloads.custom_requests(custom) == [BenchRequest("hi there", None, 3), BenchRequest(None, [5, 6, 7], 2)]
+
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(llama_dir)
+    convs = [{"conversations": [{"from": "human", "value": f"question {i}"},
+                                {"from": "gpt", "value": "answer " * (i + 1)}]} for i in range(6)]
+    convs.append({"conversations": [{"from": "human", "value": "no reply"}]})
+    share = tmp_path / "sg.json"
+    share.write_text(json.dumps(convs))
+    reqs = workloads.sharegpt_requests(share, 10, seed=3, tokenizer=tok)
+    assert len(reqs) == 6 and reqs == workloads.sharegpt_requests(share, 10, seed=3, tokenizer=tok)
+    for r in reqs:  # the reply's token count is the output length
+        i = int(r.prompt.split()[1])
+        assert r.output_len == len(tok.encode("answer " * (i + 1), add_special_tokens=False))
+    assert len(workloads.sharegpt_requests(share, 10, output_len=4)) == 7
+
+    default = workloads.custom_requests(workloads.DEFAULT_WORKLOAD)
+    assert len(default) == 128 and all(r.prompt and 4 <= r.output_len <= 128 for r in default)
+
+
+# -- metrics ---------------------------------------------------------------------------------
+def test_percentiles_and_summary():
+    values = [float(x) for x in range(1, 11)]  # 1..10
+    assert metrics.percentile(values, 50) == 5.5
+    assert metrics.percentile(values, 90) == pytest.approx(9.1)  # 9 + 0.1 * (10 - 9)
+    assert metrics.percentile(values, 99) == pytest.approx(9.91)
+    assert math.isnan(metrics.percentile([], 50))
+    s = metrics.Summary.of([0.010, 0.020, 0.030, 0.100])
+    assert s.ms() == pytest.approx({"mean": 40.0, "median": 25.0, "p90": 79.0, "p99": 97.9})
+    spread = metrics.Spread.of([3.0, 1.0, 2.0])
+    assert (spread.median, spread.lo, spread.hi) == (2.0, 1.0, 3.0)
+    assert spread.format() == "2.0 [1.0-3.0]"
+    assert metrics.ratio_spread([2.0, 3.0], [1.0, 2.0]) == metrics.Spread(1.75, 1.5, 2.0)
+
+
+def test_tpot_and_goodput_by_hand():
+    results = [
+        RequestResult(10, 11, ttft=0.100, e2el=0.600),  # tpot 50 ms
+        RequestResult(10, 5, ttft=0.300, e2el=0.500),  # tpot 50 ms, ttft too slow
+        RequestResult(10, 3, ttft=0.050, e2el=0.450),  # tpot 200 ms
+        RequestResult(10, 1, ttft=0.080, e2el=0.080),  # one token: tpot 0
+        RequestResult(10, 0, success=False, error="HTTP 500"),
+    ]
+    assert [r.tpot for r in results[:4]] == pytest.approx([0.05, 0.05, 0.2, 0.0])
+    slos = metrics.parse_slos(["ttft:200", "tpot:60"])
+    assert slos == {"ttft": 0.2, "tpot": 0.06}
+    assert metrics.goodput(results, slos, duration=2.0) == 1.0  # requests 0 and 3 over 2 s
+    assert metrics.goodput(results, metrics.parse_slos(["e2el:500"]), duration=4.0) == 0.75
+    assert metrics.goodput(results, {}, duration=1.0) == 4  # no SLO: every success counts
+    for bad in ("ttft", "speed:10", "ttft:fast", "tpot:-1"):
+        with pytest.raises(ValueError, match="goodput SLO"):
+            metrics.parse_slos([bad])
+
+
+def test_arrival_gaps_rate_and_burstiness():
+    poisson = serve_client.arrival_gaps(20000, 4.0, 1.0, seed=0)
+    bursty = serve_client.arrival_gaps(20000, 4.0, 0.25, seed=0)
+    assert poisson.mean() == pytest.approx(0.25, rel=0.03) and bursty.mean() == pytest.approx(0.25, rel=0.05)
+    # a gamma of shape k has coefficient of variation 1 / sqrt(k)
+    assert poisson.std() / poisson.mean() == pytest.approx(1.0, rel=0.05)
+    assert bursty.std() / bursty.mean() == pytest.approx(2.0, rel=0.05)
+    assert (serve_client.arrival_gaps(5, math.inf, 1.0, 0) == 0).all()
+    assert (serve_client.arrival_gaps(5, 2.0, 1.0, 7) == serve_client.arrival_gaps(5, 2.0, 1.0, 7)).all()
+
+
+# -- plan ---------------------------------------------------------------------------------------
+LLAMA3_70B = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 8192,
+              "num_hidden_layers": 80, "num_attention_heads": 64, "num_key_value_heads": 8,
+              "intermediate_size": 28672, "vocab_size": 128256, "tie_word_embeddings": False,
+              "torch_dtype": "bfloat16"}
+
+
+def test_plan_llama3_70b_by_hand(tmp_path, capsys):
+    shape = plan.ModelShape.from_config(LLAMA3_70B)
+    assert shape.head_dim == 128
+    per_layer = 8192 * 8192 * 2 + 8192 * 1024 * 2 + 3 * 8192 * 28672 + 2 * 8192
+    params = 80 * per_layer + 2 * 128256 * 8192 + 8192
+    assert shape.num_params == params  # 70.55 B
+
+    p = plan.plan(shape, plan.HARDWARE["h100"], dtype="fp8", kv_dtype="bfloat16")
+    assert p.kv_bytes_per_token == 2 * 80 * 8 * 128 * 2 == 320 * 1024
+    assert p.weight_bytes == params
+    assert p.decode_ceiling_tok_s == pytest.approx(3.35e12 / params) and 47 < p.decode_ceiling_tok_s < 49
+    assert p.kv_tokens == int((80e9 * 0.9 - params) // (320 * 1024))
+    # decode turns compute-bound where 2 P B / F = W / BW: B = F * bytes-per-weight / (2 BW)
+    assert p.compute_bound_batch == pytest.approx(1979e12 * 1 / (2 * 3.35e12))
+    assert p.prefill_s_per_1k == pytest.approx((2 * params * 1000 + 2 * 80 * 64 * 128 * 1000**2) / 1979e12)
+
+    tp8 = plan.plan(shape, plan.HARDWARE["h100"], dtype="bfloat16", tp=8, context_len=8192)
+    assert tp8.kv_bytes_per_token == 320 * 1024 / 8 and tp8.weight_bytes == params * 2 / 8
+    assert tp8.decode_ceiling_tok_s == pytest.approx(3.35e12 / (params * 2 / 8 + 8192 * 40 * 1024))
+    assert math.isinf(tp8.compute_bound_batch)  # at 8k context the KV reads outgrow the math
+
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(LLAMA3_70B))
+    assert main(["plan", "--model", str(config), "--hardware", "h100", "--dtype", "fp8", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["kv_bytes_per_token"] == 327680 and round(out["decode_ceiling_tok_s"]) == 47
+
+
+# -- offline benchmarks ------------------------------------------------------------------------------
+def test_bench_throughput_with_hf_baseline(llama_dir, tmp_path, capsys):
+    out_json = tmp_path / "tput.json"
+    rc = main(["bench", "throughput", "--model", llama_dir, "--num-kv-blocks", "256", "--num-prompts", "6",
+               "--output-len", "5", "--repeats", "2", "--threads", "1", "--baseline", "hf",
+               "--hf-batch-size", "4", "--output-json", str(out_json)])
+    assert rc == 0
+    out = capsys.readouterr().out
+    assert "modserve / hf" in out and "1 torch threads" in out
+    assert "greedy agreement with hf (batch 4): 100.0%" in out  # float32, same tokens both ways
+    figures = json.loads(out_json.read_text())
+    assert set(figures) == {"modserve", "hf"} and all(len(runs) == 2 for runs in figures.values())
+    assert all(run["output tok/s"] > 0 and run["req/s"] > 0 for runs in figures.values() for run in runs)
+
+
+def test_bench_latency(llama_dir, capsys):
+    rc = main(["bench", "latency", "--model", llama_dir, "--num-kv-blocks", "128", "--input-len", "16",
+               "--output-len", "4", "--repeats", "2", "--hardware", "h100"])
+    assert rc == 0
+    out = capsys.readouterr().out
+    assert "TTFT ms" in out and "TPOT ms" in out and "of the h100 single-stream ceiling" in out
+
+
+# -- compare ------------------------------------------------------------------------------------------
+def swapped_kv_heads_attention():
+    """A deliberately wrong backend: the reference with its KV heads swapped (a GQA mapping bug)."""
+    from modserve.attention_backends.reference import ReferenceAttention
+
+    class Swapped(ReferenceAttention):
+        def forward(self, q, k, v, kv_cache, meta, state):
+            return super().forward(q, k.flip(1), v.flip(1), kv_cache, meta, state)
+
+    return Swapped
+
+
+def _compare(tmp_path, llama_dir, a: str, b: str) -> tuple[int, str]:
+    paths = []
+    for name, backend in (("a", a), ("b", b)):
+        path = tmp_path / f"{name}-{backend}.yaml"
+        path.write_text(f"attention_backend: {backend}\ndtype: float32\nnum_kv_blocks: 256\nmax_model_len: 1280\n")
+        paths.append(str(path))
+    rc = main(["compare", *paths, "--model", llama_dir, "--num-prompts", "4", "--output-len", "8",
+               "--repeats", "1", "--probe-prompts", "2", "--max-logit-diff", "1e-3",
+               "--out-dir", str(tmp_path / "out")])
+    assert (tmp_path / "out" / "compare.png").stat().st_size > 10_000
+    return rc, (tmp_path / "out" / "compare.md").read_text()
+
+
+def test_compare_passes_reference_vs_paged(tmp_path, llama_dir):
+    rc, report = _compare(tmp_path, llama_dir, "reference", "paged")
+    assert rc == 0, report
+    assert "greedy exact match: 4/4 requests (100.0%)" in report and "verdict: pass" in report
+
+
+def test_compare_finds_a_planted_difference(tmp_path, llama_dir):
+    plugin = types.SimpleNamespace(register_attention_backends=hookimpl(
+        lambda register: register("swapped-kv", swapped_kv_heads_attention)))
+    get_registry().add_plugin(plugin, "test-swapped-kv")  # the fresh_registry fixture forgets it
+    rc, report = _compare(tmp_path, llama_dir, "reference", "swapped-kv")
+    assert rc == 1
+    assert "verdict: FAIL" in report and "max logit difference" in report
+
+
+# -- serve -------------------------------------------------------------------------------------------------
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def fake_server():
+    """A minimal OpenAI-style SSE server: one chunk per token, 2 ms apart; 'fail' prompts get a 500."""
+    app = FastAPI()
+    state = {"in_flight": 0, "max_in_flight": 0, "bodies": []}
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": "fake-model", "object": "model"}]}
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        body = await request.json()
+        state["bodies"].append(body)
+        if body["prompt"] == "fail":
+            return JSONResponse({"error": {"message": "boom"}}, status_code=500)
+
+        async def stream():
+            state["in_flight"] += 1
+            state["max_in_flight"] = max(state["max_in_flight"], state["in_flight"])
+            try:
+                for _ in range(body["max_tokens"]):
+                    await asyncio.sleep(0.002)
+                    yield f'data: {json.dumps({"choices": [{"index": 0, "text": "x"}]})}\n\n'
+                usage = {"prompt_tokens": 7, "completion_tokens": body["max_tokens"]}
+                yield f'data: {json.dumps({"choices": [], "usage": usage})}\n\n'
+                yield "data: [DONE]\n\n"
+            finally:
+                state["in_flight"] -= 1
+
+        return StreamingResponse(stream(), media_type="text/event-stream")
+
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=_free_port(), log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    while not server.started:
+        time.sleep(0.01)
+    yield f"http://127.0.0.1:{server.config.port}", state
+    server.should_exit = True
+    thread.join(5)
+
+
+def test_serve_client_against_fake_server(fake_server):
+    url, state = fake_server
+    reqs = [BenchRequest(f"prompt {i}", None, 3 + i % 4) for i in range(12)] + [BenchRequest("fail", None, 3)]
+    settings = serve_client.ServeSettings(url, request_rate=200.0, burstiness=0.5, max_concurrency=3,
+                                          num_warmups=2, slos=metrics.parse_slos(["ttft:5000"]), progress=False)
+    result = serve_client.run(settings, reqs)
+    assert result["model"] == "fake-model"
+    assert (result["completed"], result["failed"]) == (12, 1)
+    assert result["total_output_tokens"] == sum(r.output_len for r in reqs[:12])
+    assert result["total_input_tokens"] == 7 * 12  # from the server's usage
+    assert "HTTP 500" in result["requests"][12]["error"]
+    assert state["max_in_flight"] <= 3
+    assert len(state["bodies"]) == 2 + 13  # warm-ups, then every request once
+    assert state["bodies"][-1]["ignore_eos"] is True and state["bodies"][-1]["stream"] is True
+    assert result["goodput"] == pytest.approx(12 / result["duration_s"])
+    itls = [x for r in result["requests"][:12] for x in r["itl"]]
+    assert len(itls) == result["total_output_tokens"] - 12  # one gap per token after the first
+    assert result["itl_ms"]["median"] >= 1.0  # the server waits 2 ms between tokens
+    assert result["tpot_ms"]["mean"] > 0 and result["e2el_ms"]["p99"] >= result["ttft_ms"]["p99"]
+
+
+def test_bench_serve_against_live_modserve(llama_dir, tmp_path, capsys):
+    port = _free_port()
+    log = open(tmp_path / "server.log", "w")
+    proc = subprocess.Popen([sys.executable, "-m", "modserve", "--log-level", "warning", "serve", "--port",
+                             str(port), "--model", llama_dir, "--num-kv-blocks", "256", "--dtype", "float32"],
+                            stdout=log, stderr=subprocess.STDOUT, env=os.environ.copy())
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                if httpx.get(url + "/v1/models", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "server.log").read_text()
+            time.sleep(0.2)
+        result_json = tmp_path / "serve.json"
+        rc = main(["bench", "serve", "--base-url", url, "--tokenizer", llama_dir, "--workload", "random",
+                   "--num-prompts", "6", "--input-len", "24", "--output-len", "6", "--request-rate", "20",
+                   "--max-concurrency", "4", "--repeats", "1", "--goodput", "ttft:60000", "tpot:60000",
+                   "--result-json", str(result_json)])
+    finally:
+        proc.terminate()
+        proc.wait(10)
+        log.close()
+    assert rc == 0
+    out = capsys.readouterr().out
+    assert "goodput req/s" in out and "completed 6, failed 0" in out
+    run = json.loads(result_json.read_text())["runs"][0]
+    assert run["total_output_tokens"] == 36 and run["total_input_tokens"] == 6 * 24  # token-id prompts
+    assert run["goodput"] == pytest.approx(run["request_throughput"])
