@@ -1,12 +1,13 @@
 # make test   — set up .venv (torch CPU build pinned first) and run the test suite
 # make serve  — set up and serve the built-in demo model on http://127.0.0.1:8000
+# make ab     — A/B the built-in attention backends and KV allocators on the tiny model (CI gate)
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
 
-.PHONY: install test serve clean
+.PHONY: install test serve ab clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -21,6 +22,16 @@ install: $(STAMP)
 
 test: install
 	$(PY) -m pytest -q
+
+# Greedy outputs must agree exactly and logits within 1e-3 (float32); reports go to build/ab/.
+AB_FLAGS := --threads 1 --workload random --input-len 48 --range-ratio 0.5 --num-prompts 8 --output-len 16 --repeats 2 \
+	--min-agreement 1.0 --max-logit-diff 1e-3
+ab: install
+	model=$$($(PY) -c "from modserve.testing import cached_checkpoint; print(cached_checkpoint())") && \
+	for pair in attention-reference:attention-paged kv-paged:kv-contiguous; do \
+		$(VENV)/bin/modserve --log-level WARNING compare configs/ab/$${pair%:*}.yaml configs/ab/$${pair#*:}.yaml \
+			--model "$$model" --out-dir build/ab/$${pair%:*}-vs-$${pair#*:} $(AB_FLAGS) || exit 1; \
+	done
 
 serve: install
 	$(VENV)/bin/modserve serve $(ARGS)

@@ -31,6 +31,16 @@ from modserve.core.registry import get_registry
 POOL = np.arange(3, 4096)
 
 
+@pytest.fixture(autouse=True)
+def keep_torch_threads():
+    """--threads sets torch's process-wide thread count; later tests get theirs back."""
+    import torch
+
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
+
+
 # -- workloads ----------------------------------------------------------------------------
 def test_random_workload_is_deterministic_and_in_range():
     a = workloads.random_requests(32, 100, 20, POOL, range_ratio=0.5, prefix_len=10, seed=1)
@@ -173,7 +183,7 @@ def test_bench_throughput_with_hf_baseline(llama_dir, tmp_path, capsys):
 
 def test_bench_latency(llama_dir, capsys):
     rc = main(["bench", "latency", "--model", llama_dir, "--num-kv-blocks", "128", "--input-len", "16",
-               "--output-len", "4", "--repeats", "2", "--hardware", "h100"])
+               "--output-len", "4", "--repeats", "2", "--hardware", "h100", "--threads", "1"])
     assert rc == 0
     out = capsys.readouterr().out
     assert "TTFT ms" in out and "TPOT ms" in out and "of the h100 single-stream ceiling" in out
@@ -198,7 +208,7 @@ def _compare(tmp_path, llama_dir, a: str, b: str) -> tuple[int, str]:
         path.write_text(f"attention_backend: {backend}\ndtype: float32\nnum_kv_blocks: 256\nmax_model_len: 1280\n")
         paths.append(str(path))
     rc = main(["compare", *paths, "--model", llama_dir, "--num-prompts", "4", "--output-len", "8",
-               "--repeats", "1", "--probe-prompts", "2", "--max-logit-diff", "1e-3",
+               "--repeats", "1", "--probe-prompts", "2", "--max-logit-diff", "1e-3", "--threads", "1",
                "--out-dir", str(tmp_path / "out")])
     assert (tmp_path / "out" / "compare.png").stat().st_size > 10_000
     return rc, (tmp_path / "out" / "compare.md").read_text()
@@ -293,7 +303,7 @@ def test_bench_serve_against_live_modserve(llama_dir, tmp_path, capsys):
     port = _free_port()
     log = open(tmp_path / "server.log", "w")
     proc = subprocess.Popen([sys.executable, "-m", "modserve", "--log-level", "warning", "serve", "--port",
-                             str(port), "--model", llama_dir, "--num-kv-blocks", "256", "--dtype", "float32"],
+                             str(port), "--model", llama_dir, "--num-kv-blocks", "256", "--dtype", "float32", "--num-threads", "1"],
                             stdout=log, stderr=subprocess.STDOUT, env=os.environ.copy())
     url = f"http://127.0.0.1:{port}"
     try:
