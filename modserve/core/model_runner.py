@@ -8,8 +8,9 @@ from typing import Any
 import numpy as np
 import torch
 
+from modserve.core.batch import build_batch
 from modserve.core.config import EngineConfig
-from modserve.core.interfaces import AttentionMetadata, AttentionSpec, SamplerOutput, SamplingBatch
+from modserve.core.interfaces import AttentionSpec, SamplerOutput, SamplingBatch
 from modserve.core.loader import iter_weights
 from modserve.core.registry import Registry
 from modserve.core.sequence import Sequence
@@ -105,46 +106,14 @@ class ModelRunner:
         return sampled, self.sampler(logits, self._sampling_batch(sampled))
 
     def _prepare(self, seqs: list[Sequence], num_new_tokens: list[int]):
-        ctx_list = [s.num_computed_tokens for s in seqs]
-        ids: list[int] = []
-        for seq, c, n in zip(seqs, ctx_list, num_new_tokens):
-            ids.extend(seq.token_ids[c : c + n])
-        dev = self.device
-        q_lens = torch.tensor(num_new_tokens, dtype=torch.int64)
-        ctx = torch.tensor(ctx_list, dtype=torch.int64)
-        seq_lens = ctx + q_lens
-        cu = torch.zeros(len(seqs) + 1, dtype=torch.int64)
-        torch.cumsum(q_lens, 0, out=cu[1:])
-        num_tokens = int(cu[-1])
-        # position of token t = t - start of its sequence's rows + that sequence's context length
-        positions = torch.arange(num_tokens) + torch.repeat_interleave(ctx - cu[:-1], q_lens)
-        max_blocks = max(len(s.block_ids) for s in seqs)
-        table = np.zeros((len(seqs), max_blocks), dtype=np.int64)
-        for i, seq in enumerate(seqs):
-            table[i, : len(seq.block_ids)] = seq.block_ids
-        block_tables = torch.from_numpy(table)
-        rows = torch.repeat_interleave(torch.arange(len(seqs)), q_lens)
-        slot_mapping = block_tables[rows, positions // self.block_size] * self.block_size + positions % self.block_size
-        done = [c + n == s.num_tokens for s, c, n in zip(seqs, ctx_list, num_new_tokens)]
+        ctx = [s.num_computed_tokens for s in seqs]
+        chunks = [s.token_ids[c : c + n] for s, c, n in zip(seqs, ctx, num_new_tokens)]
+        input_ids, meta = build_batch(chunks, ctx, [s.block_ids for s in seqs], self.block_size, self.device)
+        # Only sequences whose last token this step reaches get logits and a sample.
+        done = [c + n == s.num_tokens for s, c, n in zip(seqs, ctx, num_new_tokens)]
         sampled = [s for s, d in zip(seqs, done) if d]
-        logits_rows = (cu[1:] - 1)[torch.tensor(done, dtype=torch.bool)]
-        meta = AttentionMetadata(
-            num_tokens=num_tokens,
-            positions=positions.to(dev),
-            slot_mapping=slot_mapping.to(dev),
-            query_start_loc=cu.to(dev),
-            query_lens=q_lens.to(dev),
-            context_lens=ctx.to(dev),
-            seq_lens=seq_lens.to(dev),
-            block_tables=block_tables.to(dev),
-            query_lens_cpu=list(num_new_tokens),
-            seq_lens_cpu=seq_lens.tolist(),
-            context_lens_cpu=ctx_list,
-            max_query_len=max(num_new_tokens),
-            max_seq_len=int(seq_lens.max()),
-        )
-        input_ids = torch.tensor(ids, dtype=torch.int64, device=dev)
-        return input_ids, meta, logits_rows.to(dev), sampled
+        logits_rows = (meta.query_start_loc[1:] - 1)[torch.tensor(done, dtype=torch.bool, device=self.device)]
+        return input_ids, meta, logits_rows, sampled
 
     def _sampling_batch(self, seqs: list[Sequence]) -> SamplingBatch:
         params = [s.params for s in seqs]
