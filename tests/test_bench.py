@@ -132,14 +132,11 @@ def test_arrival_gaps_rate_and_burstiness():
 
 
 # -- plan ---------------------------------------------------------------------------------------
-LLAMA3_70B = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 8192,
-              "num_hidden_layers": 80, "num_attention_heads": 64, "num_key_value_heads": 8,
-              "intermediate_size": 28672, "vocab_size": 128256, "tie_word_embeddings": False,
-              "torch_dtype": "bfloat16"}
+LLAMA3_70B = Path(__file__).parent.parent / "configs" / "shapes" / "llama-3-70b.json"
 
 
-def test_plan_llama3_70b_by_hand(tmp_path, capsys):
-    shape = plan.ModelShape.from_config(LLAMA3_70B)
+def test_plan_llama3_70b_by_hand(capsys):
+    shape = plan.ModelShape.load(LLAMA3_70B)  # 80 layers, 8 KV heads, 64 heads of 128, bf16
     assert shape.head_dim == 128
     per_layer = 8192 * 8192 * 2 + 8192 * 1024 * 2 + 3 * 8192 * 28672 + 2 * 8192
     params = 80 * per_layer + 2 * 128256 * 8192 + 8192
@@ -159,9 +156,7 @@ def test_plan_llama3_70b_by_hand(tmp_path, capsys):
     assert tp8.decode_ceiling_tok_s == pytest.approx(3.35e12 / (params * 2 / 8 + 8192 * 40 * 1024))
     assert math.isinf(tp8.compute_bound_batch)  # at 8k context the KV reads outgrow the math
 
-    config = tmp_path / "config.json"
-    config.write_text(json.dumps(LLAMA3_70B))
-    assert main(["plan", "--model", str(config), "--hardware", "h100", "--dtype", "fp8", "--json"]) == 0
+    assert main(["plan", "--model", str(LLAMA3_70B), "--hardware", "h100", "--dtype", "fp8", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["kv_bytes_per_token"] == 327680 and round(out["decode_ceiling_tok_s"]) == 47
 

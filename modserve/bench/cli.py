@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 from typing import Any, Sequence
 
+from modserve.bench.metrics import Spread
 from modserve.bench.pinning import add_pinning_flags, pin
 from modserve.bench.workloads import add_workload_flags
 
@@ -155,24 +156,23 @@ def cmd_latency(args: argparse.Namespace) -> int:
 
     pinning = pin(args)
     llm = _engine(args)
-    runs = single_stream(llm, args.input_len, args.output_len, args.repeats, args.warmups)
-    figures = {"modserve": [r.figures() for r in runs]}
+    runs = [r.figures() for r in single_stream(llm, args.input_len, args.output_len, args.repeats, args.warmups)]
     print("\n".join(_header(llm, pinning)))
     print(f"single stream: {args.input_len} prompt tokens, {args.output_len} output tokens; "
           f"median [min-max] over {args.repeats} runs")
-    print(spread_table(figures, digits=2))
+    print(spread_table({"modserve": runs}, digits=2))
+    result: dict[str, Any] = {"runs": runs}
     hw_name = args.hardware or ("cpu" if llm.config.device == "cpu" else None)
     if hw_name:
         dtype = str(llm.engine.dtype).removeprefix("torch.")
         p = plan(ModelShape.load(llm.config.model), hardware(hw_name, dtype), dtype,
                  context_len=args.input_len + args.output_len // 2)
-        rates = sorted(r.figures()["decode tok/s"] for r in runs)
-        rate = rates[len(rates) // 2]
+        rate = Spread.of([r["decode tok/s"] for r in runs]).median
         print(f"decode {rate:.1f} tok/s = {rate / p.decode_ceiling_tok_s:.0%} of the {hw_name} single-stream "
               f"ceiling of {p.decode_ceiling_tok_s:.1f} tok/s ({p.bandwidth / 1e9:.1f} GB/s over "
               f"{p.weight_bytes / 2**20:.0f} MiB of weights + KV per step)")
-        figures["ceiling_tok_s"] = p.decode_ceiling_tok_s  # type: ignore[assignment]
-    _write_json(args.output_json, figures)
+        result["ceiling_tok_s"] = p.decode_ceiling_tok_s
+    _write_json(args.output_json, result)
     return 0
 
 

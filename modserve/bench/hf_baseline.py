@@ -24,7 +24,9 @@ class HFRunner:
 
     def __init__(self, model_dir: str, dtype: torch.dtype, batch_size: int = 16) -> None:
         from transformers import AutoModelForCausalLM
+        from transformers.utils import logging as hf_logging
 
+        hf_logging.disable_progress_bar()
         self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, local_files_only=True).eval()
         self.batch_size = batch_size
         gen = self.model.generation_config
