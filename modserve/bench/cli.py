@@ -178,6 +178,8 @@ def cmd_latency(args: argparse.Namespace) -> int:
 
 # -- server -----------------------------------------------------------------------------
 def cmd_serve(args: argparse.Namespace) -> int:
+    import httpx
+
     from modserve.bench.metrics import parse_slos
     from modserve.bench.report import spread_table
     from modserve.bench.serve_client import ServeSettings, headline, run
@@ -195,9 +197,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
     settings = ServeSettings(args.base_url, args.endpoint, args.model, args.request_rate, args.burstiness,
                              args.max_concurrency, args.warmups, slos, args.seed, args.request_timeout)
     results = []
-    for i in range(args.repeats):
-        settings.seed = args.seed + i
-        results.append(run(settings, requests))
+    try:
+        for i in range(args.repeats):
+            settings.seed = args.seed + i
+            results.append(run(settings, requests))
+    except (OSError, RuntimeError, httpx.HTTPError) as e:  # no server there, or it refused the warm-up
+        print(f"error: {args.base_url}: {type(e).__name__}: {e}", file=sys.stderr)
+        return 2
     first = results[0]
     rate = "all at once" if first["request_rate"] is None else f"{first['request_rate']} req/s"
     print(f"server: {args.base_url}{args.endpoint}, model {first['model']}; client: {pinning}")
