@@ -29,6 +29,14 @@ _GAUGES = (
 )
 _COUNTERS = (
     ("modserve_num_preemptions", "num_preemptions", "Sequences preempted for lack of KV blocks"),
+    ("modserve_preemptions_recompute", "preemptions_recompute", "Preemptions whose KV was dropped, to recompute"),
+    ("modserve_preemptions_swap", "preemptions_swap", "Preemptions whose KV was swapped to host memory"),
+    ("modserve_kv_blocks_swapped_out", "blocks_swapped_out", "KV blocks copied to host memory"),
+    ("modserve_kv_blocks_swapped_in", "blocks_swapped_in", "KV blocks copied back from host memory"),
+    ("modserve_prefix_cache_queried_tokens", "allocator_prefix_queried_tokens",
+     "Prompt tokens looked up in the prefix cache"),
+    ("modserve_prefix_cache_hit_tokens", "allocator_prefix_hit_tokens", "Prompt tokens found in the prefix cache"),
+    ("modserve_prefix_cache_evictions", "allocator_evictions", "Cached KV blocks evicted for reuse"),
     ("modserve_prompt_tokens", "prompt_tokens", "Prompt tokens received"),
     ("modserve_generation_tokens", "generation_tokens", "Tokens generated"),
     ("modserve_engine_steps", "steps", "Engine steps run"),
