@@ -266,7 +266,7 @@ def test_chat_logprobs(client):
 def test_vllm_extras(client):
     r = client.completions.create(model=MODEL, prompt="Extras", temperature=0.9, seed=3, max_tokens=8,
                                   extra_body={"top_k": 5, "min_p": 0.01, "repetition_penalty": 1.2,
-                                              "min_tokens": 8, "stop_token_ids": [3]})
+                                              "min_tokens": 8, "stop_token_ids": [3], "priority": 1})
     assert r.usage.completion_tokens == 8
 
 

@@ -50,6 +50,7 @@ class _Add:
     prompt_token_ids: list[int]
     params: SamplingParams
     arrival_time: float
+    priority: int
 
 
 @dataclass(slots=True)
@@ -104,7 +105,7 @@ class AsyncEngine:
 
     # -- loop side ------------------------------------------------------------------------
     def submit(self, prompts: list[list[int]], params: SamplingParams,
-               arrival_time: float | None = None) -> "RequestStream":
+               arrival_time: float | None = None, priority: int = 0) -> "RequestStream":
         """One engine request per prompt, all answered through one stream."""
         if not self.alive:
             raise EngineDead("the engine is not running")
@@ -115,7 +116,7 @@ class AsyncEngine:
         for rid, token_ids in zip(ids, prompts):
             self._routes[rid] = stream
             self._waiting.add(rid)
-            self._commands.put(_Add(rid, token_ids, params, arrival))
+            self._commands.put(_Add(rid, token_ids, params, arrival, priority))
         return stream
 
     def abort(self, request_id: str) -> None:
@@ -189,7 +190,7 @@ class AsyncEngine:
         if isinstance(command, _Add):
             try:
                 engine.add_request(command.request_id, command.prompt_token_ids, command.params,
-                                   command.arrival_time)
+                                   command.arrival_time, command.priority)
             except Exception as e:  # goes to that request alone
                 self._emit([(command.request_id, e)])
         elif isinstance(command, _Abort):

@@ -32,13 +32,19 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from modserve.server.run import run
 
     if not args.config and args.cfg_model is None:
-        from modserve.server.demo import DEMO_NAME, demo_model_dir
-
-        logger.info("no --config or --model: serving the demo model (random weights, random text)")
-        args.cfg_model = str(demo_model_dir())
-        if args.cfg_served_model_name is None:
-            args.cfg_served_model_name = DEMO_NAME
+        use_demo_model(args)
     config = config_from_args(args)
     engine = LLMEngine(config, progress=False)
     run(create_app(engine, api_key=args.api_key), args.host, args.port, args.log_level, args.api_key)
     return 0
+
+
+def use_demo_model(args: argparse.Namespace) -> None:
+    from modserve.server.demo import DEMO_DEFAULTS, KV_SIZE_FIELDS, demo_model_dir
+
+    logger.info("no --config or --model: serving the demo model (random weights, random text)")
+    args.cfg_model = str(demo_model_dir())
+    sized = any(getattr(args, f"cfg_{name}") is not None for name in KV_SIZE_FIELDS)
+    for name, value in DEMO_DEFAULTS.items():
+        if getattr(args, f"cfg_{name}") is None and not (sized and name in KV_SIZE_FIELDS):
+            setattr(args, f"cfg_{name}", value)

@@ -26,7 +26,7 @@ async def create_completion(body: CompletionRequest, state: ServerState, request
         state.check_prompt(ids, "prompt")
     params = body.sampling_params(body.max_tokens, body.logprobs)
     echoes = [tok.decode(ids, skip_special_tokens=False) for ids in prompts] if body.echo else None
-    stream = state.submit(prompts, params, arrival)
+    stream = state.submit(prompts, params, arrival, body.priority)
     response_id = new_id("cmpl")
     if body.stream:
         events = _stream(body, state, stream, response_id, echoes, sum(map(len, prompts)))

@@ -16,6 +16,10 @@ DEMO_NAME = "modserve-demo"
 # "small" (~88M parameters, 12 layers) takes ~10 s to make on 2 CPU cores and
 # streams a few dozen tokens/s there: big enough to look like a model, quick to create.
 DEMO_ARCH, DEMO_PRESET = "llama", "small"
+# Defaults for flags the user did not give. 0.5 GiB of KV is ~21k tokens of this model:
+# plenty for a demo, where the engine's usual 20% of free memory could be gigabytes to zero.
+DEMO_DEFAULTS = {"served_model_name": DEMO_NAME, "kv_cache_memory_gb": "0.5"}
+KV_SIZE_FIELDS = ("num_kv_blocks", "kv_cache_memory_gb", "kv_cache_memory_fraction")
 
 
 def demo_cache_dir() -> Path:

@@ -51,6 +51,7 @@ class SamplingRequest(Strict):
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    priority: int = 0  # lower runs first under the priority scheduler; others ignore it
 
     @field_validator("stop_token_ids")
     @classmethod

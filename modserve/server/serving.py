@@ -59,14 +59,15 @@ class ServerState:
         except ValueError as e:
             raise invalid(param, str(e)) from None
 
-    def submit(self, prompts: list[list[int]], params: SamplingParams, arrival: float) -> RequestStream:
+    def submit(self, prompts: list[list[int]], params: SamplingParams, arrival: float,
+               priority: int = 0) -> RequestStream:
         """Hand the prompts to the engine, or 503 when too many are already waiting."""
         if self.engine.num_waiting + len(prompts) > self.max_waiting_requests:
             raise APIError(503, f"The server is overloaded: {self.engine.num_waiting} requests are waiting "
                            f"(max_waiting_requests={self.max_waiting_requests}). Retry shortly.",
                            type="server_error", code="server_overloaded", headers={"Retry-After": "1"})
         try:
-            return self.engine.submit(prompts, params, arrival)
+            return self.engine.submit(prompts, params, arrival, priority)
         except EngineDead as e:
             raise APIError(503, str(e), type="server_error", code="engine_dead") from None
 
