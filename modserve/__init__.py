@@ -7,7 +7,7 @@ try:
 except PackageNotFoundError:  # running from a source tree
     __version__ = "0.0.0"
 
-__all__ = ["LLM", "SamplingParams", "EngineConfig", "__version__"]
+__all__ = ["LLM", "SamplingParams", "StructuredOutputs", "EngineConfig", "__version__"]
 
 
 def __getattr__(name: str):
@@ -18,6 +18,9 @@ def __getattr__(name: str):
     if name == "SamplingParams":
         from modserve.core.sampling_params import SamplingParams
         return SamplingParams
+    if name == "StructuredOutputs":
+        from modserve.core.structured_outputs import StructuredOutputs
+        return StructuredOutputs
     if name == "EngineConfig":
         from modserve.core.config import EngineConfig
         return EngineConfig

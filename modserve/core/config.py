@@ -59,6 +59,10 @@ class EngineConfig(BaseModel):
     kv_allocator: PluginChoice = Field(PluginChoice(name="paged"), description="KV block allocator plugin")
     scheduler: PluginChoice = Field(PluginChoice(name="fcfs"), description="Scheduling policy plugin")
     sampler: PluginChoice = Field(PluginChoice(name="default"), description="Sampler plugin")
+    grammar_backend: PluginChoice = Field(
+        PluginChoice(name="auto"), description="Structured outputs: a grammar backend plugin, or auto "
+        "(the first registered backend that compiles the spec: xgrammar, then outlines, then others)")
+    grammar_cache_size: int = Field(256, gt=0, description="Compiled grammars kept (LRU), per engine")
 
     @field_validator("model")
     @classmethod

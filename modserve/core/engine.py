@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass
 from itertools import count
 from typing import Any
@@ -11,6 +12,7 @@ from typing import Any
 import torch
 
 from modserve.core.config import EngineConfig
+from modserve.core.grammar import CompiledGrammar, GrammarCompiler, wait_any
 from modserve.core.interfaces import SamplerOutput, SchedulerLimits
 from modserve.core.loader import load_hf_config
 from modserve.core.model_runner import ModelRunner
@@ -66,6 +68,9 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self._seq_ids = count()
         self.counters = {"prompt_tokens": 0, "computed_tokens": 0, "generation_tokens": 0, "steps": 0}
+        self.grammar = GrammarCompiler(registry, config.grammar_backend, config.tokenizer or config.model,
+                                       self.runner.vocab_size, self.eos_token_ids, config.grammar_cache_size)
+        self.compiling: dict[str, Future] = {}  # request id -> its grammar, still compiling
 
     # -- KV sizing ----------------------------------------------------------------
     def _num_kv_blocks(self) -> int:
@@ -110,6 +115,11 @@ class LLMEngine:
         text = prompt if isinstance(prompt, str) else None
         token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         self.validate_prompt(token_ids)
+        grammar = None
+        if params.structured_outputs is not None:
+            grammar = self.grammar.submit(params.structured_outputs.spec())
+            if grammar.done() and grammar.exception() is not None:
+                raise grammar.exception()
         max_tokens = self.max_model_len - len(token_ids)
         if params.max_tokens is not None:
             max_tokens = min(max_tokens, params.max_tokens)
@@ -123,9 +133,10 @@ class LLMEngine:
             seq.detok = self.tokenizer.stream(params.skip_special_tokens)
             seqs.append(seq)
         self.requests[request_id] = Request(request_id, text, token_ids, params, seqs, metrics, max_tokens)
-        # The other samples fork from the first once its prompt is computed: one prefill, shared blocks.
-        seqs[0].pending_forks = seqs[1:]
-        self.scheduler.add(seqs[0])
+        if grammar is None or grammar.done():
+            self._start(self.requests[request_id], grammar)
+        else:  # NOTE: kept out of the scheduler until compiled; others decode meanwhile
+            self.compiling[request_id] = grammar
         self.counters["prompt_tokens"] += len(token_ids)
 
     def validate_prompt(self, token_ids: list[int]) -> None:
@@ -145,6 +156,7 @@ class LLMEngine:
         req = self.requests.pop(request_id, None)
         if req is None:
             return None
+        self.compiling.pop(request_id, None)
         for seq in req.seqs:
             if not seq.is_finished:
                 self.scheduler.remove(seq)
@@ -155,7 +167,44 @@ class LLMEngine:
         return bool(self.requests)
 
     # -- one step ---------------------------------------------------------------------
+    def _start(self, req: Request, grammar: Future | None) -> None:
+        if grammar is not None:
+            compiled: CompiledGrammar = grammar.result()
+            for seq in req.seqs:
+                seq.grammar = compiled.matcher()
+        # The other samples fork from the first once its prompt is computed: one prefill, shared blocks.
+        req.seqs[0].pending_forks = req.seqs[1:]
+        self.scheduler.add(req.seqs[0])
+
+    def _admit_compiled(self) -> list[RequestOutput]:
+        """Schedule requests whose grammar is ready; end those whose spec was refused."""
+        refused = []
+        for rid, grammar in list(self.compiling.items()):
+            if not grammar.done():
+                continue
+            del self.compiling[rid]
+            req = self.requests[rid]
+            if grammar.exception() is None:
+                self._start(req, grammar)
+                continue
+            # Callers that validate first (LLM.generate, the server) never get here.
+            logger.warning("request %s aborted: %s", rid, grammar.exception())
+            for seq in req.seqs:
+                seq.finish_reason, seq.status = "abort", SequenceStatus.FINISHED
+            del self.requests[rid]
+            refused.append(self._output(req))
+        return refused
+
     def step(self) -> list[RequestOutput]:
+        if not self.compiling:
+            return self._step()
+        outputs = self._admit_compiled()
+        if not outputs and not self.scheduler.has_work():
+            wait_any(self.compiling.values(), timeout=0.05)  # only compiles left: wait, don't spin
+            outputs = self._admit_compiled()
+        return outputs + self._step()
+
+    def _step(self) -> list[RequestOutput]:
         if not self.scheduler.has_work():
             return []
         scheduled = self.scheduler.step()
@@ -205,6 +254,11 @@ class LLMEngine:
                 req.metrics.first_token_time = now
         if params.logprobs is not None:
             seq.logprobs.append(_logprob_entry(out, row, params.logprobs))
+        if seq.grammar is not None and not seq.grammar.accept_token(token):
+            # The mask allows only what the grammar accepts, so this is a backend bug.
+            logger.error("request %s: the grammar rejected sampled token %d; aborting it", req.request_id, token)
+            seq.finish_reason = "abort"
+            return
         if token in params.stop_token_ids:
             seq.finish_reason, seq.stop_reason = "stop", token
         elif token in self.eos_token_ids and not params.ignore_eos:
@@ -215,6 +269,8 @@ class LLMEngine:
                 seq.text += delta
                 if params.stop:
                     _check_stop_strings(seq, len(delta))
+        if seq.finish_reason is None and seq.grammar is not None and seq.grammar.is_terminated():
+            seq.finish_reason = "stop"  # it accepted an EOS: even with ignore_eos, nothing may follow
         if seq.finish_reason is None and (
             seq.num_output_tokens >= req.max_tokens or seq.num_tokens >= self.max_model_len
         ):

@@ -10,12 +10,13 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Sequence as Seq
+from typing import Any, ClassVar, Iterable, Sequence as Seq
 
 import torch
 from pydantic import BaseModel
 
 from modserve.core.sequence import Sequence
+from modserve.core.structured_outputs import GrammarSpec
 
 
 # ---------------------------------------------------------------------------
@@ -253,6 +254,10 @@ class SamplingBatch:
     output_token_ids: torch.Tensor | None  # [B, O] padded with vocab_size, only with penalties
     banned_token_ids: list[tuple[int, list[int]]]  # (row, ids) never to sample this step (min_tokens)
     max_num_logprobs: int  # -1 when no row wants logprobs
+    # [B, ceil(V / 32)] int32: bit t % 32 of word t // 32 set = token t may be sampled.
+    # Rows without a grammar are all ones; None when no row has one.
+    allowed_token_bitmask: torch.Tensor | None = None
+
 
 
 @dataclass(slots=True)
@@ -270,7 +275,8 @@ class Sampler(ABC):
     Contract: greedy rows (temperature 0) take the argmax of the penalised
     logits; rows with a generator draw only from it, so a seeded request gives
     the same tokens whatever else is in the batch. Logprobs are of the model's
-    raw distribution (log_softmax of the unprocessed logits).
+    raw distribution (log_softmax of the unprocessed logits). With an
+    ``allowed_token_bitmask``, a row samples only tokens whose bit is set.
     """
 
     def __init__(self, vocab_size: int, options: BaseModel | None = None) -> None:
@@ -325,8 +331,34 @@ class Quantizer(ABC):
         """Return a module computing ``x @ weight.T + bias`` from quantized weights."""
 
 
+@dataclass(frozen=True, slots=True)
+class GrammarVocab:
+    """The tokenizer as a grammar backend sees it; built once per engine."""
+
+    # One entry per logits column: the bytes that token adds to the text, or None
+    # for ids a grammar never allows (special tokens, ids past the tokenizer's).
+    token_bytes: tuple[bytes | None, ...]
+    eos_token_ids: tuple[int, ...]  # allowed only where the grammar may end
+    key: str  # identifies this vocabulary; part of the compiled-grammar cache key
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.token_bytes)
+
+
 class GrammarMatcher(ABC):
-    """Per-request constrained-decoding state."""
+    """One sequence's progress through a compiled grammar; used on the engine thread.
+
+    Contract: a new matcher is at the grammar's start. ``fill_bitmask`` overwrites
+    ``bitmask[row]`` (int32, CPU, ``ceil(V / 32)`` words) so that bit ``t % 32`` of
+    word ``t // 32`` is set exactly for the tokens that may come next; EOS ids are
+    set only where the grammar may end. ``accept_token`` advances by one token, or
+    returns False and changes nothing if the grammar forbids it. Accepting an EOS id
+    terminates the matcher (``is_terminated``); it is then never filled again.
+    ``rollback(n)`` undoes the last ``n`` accepted tokens, a terminating EOS
+    included, for any ``n`` up to the ``max_rollback`` it was made with.
+    ``reset`` returns to the start.
+    """
 
     @abstractmethod
     def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None: ...
@@ -345,18 +377,28 @@ class GrammarMatcher(ABC):
 
 
 class GrammarBackend(ABC):
-    """Compiles guided-decoding specs for a tokenizer and makes matchers."""
+    """Compiles constraints for one tokenizer and makes per-sequence matchers.
 
-    def __init__(self, tokenizer: Any, vocab_size: int, options: BaseModel | None = None) -> None:
-        self.tokenizer = tokenizer
-        self.vocab_size = vocab_size
+    Contract: made at most once per engine, on a worker thread, when a request
+    first needs it. The core passes ``compile`` only specs whose kind is in
+    ``kinds``. ``compile`` may be slow and runs on a worker thread, possibly beside
+    other compiles; it raises ``ValueError`` saying why a spec is refused (invalid,
+    or a feature this backend lacks), and that message reaches the user. The core
+    caches its result and shares it between requests, so it must never change.
+    ``matcher`` is cheap and runs on the engine thread.
+    """
+
+    kinds: ClassVar[frozenset[str]] = frozenset()
+
+    def __init__(self, vocab: GrammarVocab, options: BaseModel | None = None) -> None:
+        self.vocab = vocab
         self.options = options
 
     @abstractmethod
-    def compile(self, kind: str, spec: Any) -> Any: ...
+    def compile(self, spec: GrammarSpec) -> Any: ...
 
     @abstractmethod
-    def matcher(self, compiled: Any) -> GrammarMatcher: ...
+    def matcher(self, compiled: Any, max_rollback: int) -> GrammarMatcher: ...
 
 
 @dataclass(slots=True)

@@ -61,6 +61,12 @@ class LLM:
         priorities = list(priority) if priority is not None else [0] * len(prompts)
         if len(priorities) != len(prompts):
             raise ValueError(f"priority has {len(priorities)} entries for {len(prompts)} prompts")
+        # Compile every constraint first (on the engine's grammar workers): a refused
+        # schema is a ValueError here, before any request is queued.
+        grammars = [self.engine.grammar.submit(p.structured_outputs.spec())
+                    for p in params if p.structured_outputs is not None]
+        for grammar in grammars:
+            grammar.result()
         order = {}
         try:
             for prompt, p, prio in zip(prompts, params, priorities):

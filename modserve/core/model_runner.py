@@ -10,6 +10,7 @@ import torch
 
 from modserve.core.batch import build_batch
 from modserve.core.config import EngineConfig
+from modserve.core.grammar import fill_token_bitmask
 from modserve.core.interfaces import AttentionSpec, SamplerOutput, SamplingBatch
 from modserve.core.loader import iter_weights
 from modserve.core.registry import Registry
@@ -155,6 +156,7 @@ class ModelRunner:
             output_token_ids=output_ids,
             banned_token_ids=banned,
             max_num_logprobs=max(want) if want else -1,
+            allowed_token_bitmask=fill_token_bitmask(seqs, self.vocab_size, dev),
         )
 
     def _padded(self, rows: list[list[int]]) -> torch.Tensor:

@@ -51,6 +51,7 @@ class Sequence:
     first_token_time: float | None = None
     token_times: list[float] = field(default_factory=list)
     detok: Any = None  # incremental detokenizer state
+    grammar: Any = None  # GrammarMatcher of a structured-outputs request, set once its grammar compiled
 
     @property
     def num_tokens(self) -> int:

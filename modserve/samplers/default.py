@@ -23,6 +23,15 @@ def _token_counts(ids: torch.Tensor, vocab_size: int, num_cols: int) -> torch.Te
     return counts[:, :num_cols]  # [B, V]
 
 
+def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
+    """In place: -inf for every token whose bit is clear in ``bitmask`` [B, ceil(V/32)] int32."""
+    B, V = logits.shape
+    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)  # [32]
+    # Arithmetic shifts of int32 keep bit 31 (the sign) readable: (-1 >> k) & 1 == 1.
+    allowed = ((bitmask.unsqueeze(-1) >> shifts) & 1).view(B, -1)[:, :V].bool()  # [B, V]
+    logits.masked_fill_(~allowed, _NEG_INF)
+
+
 def apply_penalties(logits: torch.Tensor, batch: SamplingBatch, vocab_size: int) -> torch.Tensor:
     """Repetition (HF: prompt + output), presence and frequency (OpenAI: output only)."""
     B, V = logits.shape
@@ -94,8 +103,13 @@ class DefaultSampler(Sampler):
         raw_logprobs = logits.float().log_softmax(dim=-1) if batch.max_num_logprobs >= 0 else None  # [B, V]
         logits = logits.to(torch.float32, copy=True)  # [B, V]; ours to modify in place
 
+        if batch.allowed_token_bitmask is not None:  # structured outputs: before anything else
+            apply_token_bitmask(logits, batch.allowed_token_bitmask)
         for row, ids in batch.banned_token_ids:
+            kept = logits[row, ids]
             logits[row, ids] = _NEG_INF
+            if batch.allowed_token_bitmask is not None and not torch.isfinite(logits[row]).any():
+                logits[row, ids] = kept  # the grammar can only end here: it wins over min_tokens
         if batch.any_penalty:
             logits = apply_penalties(logits, batch, self.vocab_size)
 

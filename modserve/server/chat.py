@@ -36,6 +36,7 @@ async def create_chat_completion(body: ChatCompletionRequest, state: ServerState
     prompt = chat_prompt(state, body.messages, body.add_generation_prompt)
     state.check_prompt(prompt, "messages")
     params = body.sampling_params(body.max_new_tokens, body.num_logprobs)
+    await state.compile_grammar(params, body.constraint_param)
     stream = state.submit([prompt], params, arrival, body.priority)
     response_id = new_id("chatcmpl")
     if body.stream:

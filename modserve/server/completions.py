@@ -25,6 +25,7 @@ async def create_completion(body: CompletionRequest, state: ServerState, request
     for ids in prompts:
         state.check_prompt(ids, "prompt")
     params = body.sampling_params(body.max_tokens, body.logprobs)
+    await state.compile_grammar(params, body.constraint_param)
     echoes = [tok.decode(ids, skip_special_tokens=False) for ids in prompts] if body.echo else None
     stream = state.submit(prompts, params, arrival, body.priority)
     response_id = new_id("cmpl")

@@ -14,6 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from modserve.core.sampling_params import SamplingParams
 from modserve.server.errors import invalid
+from modserve.server.structured_outputs import ConstraintFields
 
 _omit_none = dict(exclude_if=lambda v: v is None)
 
@@ -27,8 +28,8 @@ class StreamOptions(Strict):
     include_obfuscation: bool | None = None  # OpenAI's padding against side channels; nothing to pad here
 
 
-class SamplingRequest(Strict):
-    """The fields completions and chat share."""
+class SamplingRequest(ConstraintFields):
+    """The fields completions and chat share (the output-constraint ones come from ConstraintFields)."""
 
     model: str | None = None  # optional, as in vLLM: there is one served model
     n: int = Field(1, ge=1, le=128)
@@ -66,6 +67,7 @@ class SamplingRequest(Strict):
             raise invalid("logit_bias", "not supported")
         if self.stream_options is not None and not self.stream:
             raise invalid("stream_options", "only allowed when stream is true")
+        self.check_constraint()
 
     @property
     def include_usage(self) -> bool:
@@ -87,6 +89,7 @@ class SamplingRequest(Strict):
                 ignore_eos=self.ignore_eos, logprobs=logprobs,
                 skip_special_tokens=self.skip_special_tokens,
                 include_stop_str_in_output=self.include_stop_str_in_output,
+                structured_outputs=self.constraint,
             )
         except ValueError as e:  # SamplingParams' messages start with the field's name
             raise invalid(str(e).split(" ", 1)[0], str(e).split(" ", 1)[-1]) from None

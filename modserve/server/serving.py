@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -70,6 +71,17 @@ class ServerState:
             return self.engine.submit(prompts, params, arrival, priority)
         except EngineDead as e:
             raise APIError(503, str(e), type="server_error", code="engine_dead") from None
+
+    async def compile_grammar(self, params: SamplingParams, param: str | None) -> None:
+        """Compile the request's constraint before it is queued (off the event loop, on the
+        engine's grammar workers): a refused spec is a 400 with the backend's reason."""
+        if params.structured_outputs is None:
+            return
+        grammar = self.engine.engine.grammar.submit(params.structured_outputs.spec())  # thread-safe
+        try:
+            await asyncio.wrap_future(grammar)
+        except ValueError as e:
+            raise invalid(param, str(e)) from None
 
     def token_text(self, token_id: int) -> str:
         text = self.token_strings.get(token_id)

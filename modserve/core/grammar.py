@@ -1,0 +1,187 @@
+"""Structured outputs in the core: compile off the step path, cache, fill the batch mask.
+
+``GrammarCompiler.submit(spec)`` returns a Future: a worker thread compiles the
+spec once, and later requests with the same (kind, spec, tokenizer) share it
+from an LRU cache. The engine keeps a request out of the scheduler until its
+Future is done, so other requests keep decoding meanwhile.
+
+``auto`` is core behaviour, not a plugin: it tries the registered backends in
+order (``AUTO_ORDER`` first, then the rest by name) and takes the first that
+compiles the spec; when none does, the error gives each backend's reason.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass
+from typing import Any, Iterable
+
+import torch
+
+from modserve.core.config import PluginChoice
+from modserve.core.interfaces import GrammarBackend, GrammarMatcher, GrammarVocab
+from modserve.core.registry import Registry
+from modserve.core.sequence import Sequence
+from modserve.core.structured_outputs import GrammarSpec
+
+logger = logging.getLogger("modserve")
+
+AUTO = "auto"
+AUTO_ORDER = ("xgrammar", "outlines")
+# Rollback depth every matcher supports: enough for speculative decoding's drafts.
+MAX_ROLLBACK = 32
+
+
+@dataclass(frozen=True, slots=True)
+class CompiledGrammar:
+    """A compiled spec and the backend that made it (and makes its matchers)."""
+
+    backend_name: str
+    backend: GrammarBackend
+    compiled: Any
+    spec: GrammarSpec
+    compile_seconds: float
+
+    def matcher(self) -> GrammarMatcher:
+        return self.backend.matcher(self.compiled, MAX_ROLLBACK)
+
+
+class GrammarCompiler:
+    """Backends (made lazily), a worker pool and the compiled-grammar LRU cache.
+
+    NOTE: ``submit`` may be called from any thread (the server validates specs on
+    its event loop before the engine thread sees the request); the cache and the
+    backends are guarded by one lock, compiles run on the pool.
+    """
+
+    def __init__(self, registry: Registry, choice: PluginChoice, tokenizer_path: str, vocab_size: int,
+                 eos_token_ids: Iterable[int], cache_size: int = 256, num_workers: int = 1) -> None:
+        self.registry = registry
+        if choice.name == AUTO:
+            if choice.options:
+                raise ValueError("grammar_backend 'auto' takes no options; name a backend to configure it")
+            registered = registry.names("grammar_backend")
+            self.names = [n for n in AUTO_ORDER if n in registered] + [n for n in registered if n not in AUTO_ORDER]
+        else:
+            registry.get("grammar_backend", choice.name)  # an unknown name fails at start-up
+            self.names = [choice.name]
+        self.choice = choice
+        self.tokenizer_path = tokenizer_path
+        self.vocab_size = vocab_size
+        self.eos_token_ids = tuple(sorted(eos_token_ids))
+        self.tokenizer_key = f"{tokenizer_path}@{vocab_size}"
+        self.cache_size = cache_size
+        self.num_workers = num_workers
+        self.hits = self.misses = 0
+        self._cache: OrderedDict[tuple, Future] = OrderedDict()
+        self._backends: dict[str, GrammarBackend | Exception] = {}
+        self._vocab: GrammarVocab | None = None
+        self._pool: ThreadPoolExecutor | None = None
+        self._lock = threading.Lock()
+        self._backend_lock = threading.Lock()
+
+    # -- compiling ---------------------------------------------------------------------
+    def submit(self, spec: GrammarSpec) -> Future:
+        """A Future of the :class:`CompiledGrammar` for ``spec``; its exception is a
+        ValueError saying why the spec was refused."""
+        key = (spec.kind, spec.value, self.tokenizer_key)
+        with self._lock:
+            future = self._cache.get(key)
+            if future is not None:
+                self._cache.move_to_end(key)
+                self.hits += 1
+                return future
+            self.misses += 1
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(self.num_workers, thread_name_prefix="modserve-grammar")
+            future = self._pool.submit(self._compile, spec)
+            self._cache[key] = future
+            while len(self._cache) > self.cache_size:
+                self._cache.popitem(last=False)  # whoever holds that Future still has it
+        future.add_done_callback(lambda f: self._forget_failure(key, f))
+        return future
+
+    def compile(self, spec: GrammarSpec, timeout: float | None = None) -> CompiledGrammar:
+        """``submit`` and wait: raises the ValueError of a refused spec."""
+        return self.submit(spec).result(timeout)
+
+    def _forget_failure(self, key: tuple, future: Future) -> None:
+        # Refused specs are not kept: a cache full of bad schemas would push out good ones.
+        if future.exception() is not None:
+            with self._lock:
+                if self._cache.get(key) is future:
+                    del self._cache[key]
+
+    def _compile(self, spec: GrammarSpec) -> CompiledGrammar:
+        reasons = []
+        for name in self.names:
+            backend = self._backend(name)
+            if isinstance(backend, Exception):
+                reasons.append(f"{name}: unavailable ({backend})")
+                continue
+            if spec.kind not in backend.kinds:
+                reasons.append(f"{name}: does not support {spec.kind} constraints")
+                continue
+            start = time.perf_counter()
+            try:
+                compiled = backend.compile(spec)
+            except Exception as e:  # the backend's reason is what the user needs
+                why = str(e) if isinstance(e, ValueError) else f"{type(e).__name__}: {e}"
+                reasons.append(f"{name}: {why}")
+                continue
+            elapsed = time.perf_counter() - start
+            logger.debug("grammar %s compiled by %s in %.3f s", spec.describe(), name, elapsed)
+            return CompiledGrammar(name, backend, compiled, spec, elapsed)
+        if len(self.names) == 1:
+            raise ValueError(f"{spec.kind} constraint refused: {reasons[0]}")
+        raise ValueError(f"no grammar backend accepted this {spec.kind} constraint: " + "; ".join(reasons))
+
+    def _backend(self, name: str) -> GrammarBackend | Exception:
+        with self._backend_lock:
+            if name not in self._backends:
+                choice = self.choice if name == self.choice.name else PluginChoice(name=name)
+                try:
+                    self._backends[name] = self.registry.create("grammar_backend", choice, self.vocab())
+                except Exception as e:  # remembered: auto then skips it with this reason
+                    logger.warning("grammar backend %r is unavailable: %s", name, e)
+                    self._backends[name] = e
+            return self._backends[name]
+
+    def vocab(self) -> GrammarVocab:
+        """The tokenizer as bytes per token id; built on first use (a worker thread)."""
+        if self._vocab is None:
+            from transformers import AutoTokenizer
+
+            from modserve.core.token_bytes import token_bytes
+
+            # Its own tokenizer object: the engine thread's is never shared across threads.
+            hf = AutoTokenizer.from_pretrained(self.tokenizer_path, local_files_only=True)
+            self._vocab = GrammarVocab(tuple(token_bytes(hf, self.vocab_size)), self.eos_token_ids,
+                                       self.tokenizer_key)
+        return self._vocab
+
+    def stats(self) -> dict[str, int]:
+        return {"grammar_cache_size": len(self._cache), "grammar_cache_hits": self.hits,
+                "grammar_cache_misses": self.misses}
+
+
+def wait_any(futures: Iterable[Future], timeout: float) -> None:
+    """Block until one of ``futures`` is done or ``timeout`` passes."""
+    wait(list(futures), timeout=timeout, return_when="FIRST_COMPLETED")
+
+
+def fill_token_bitmask(seqs: list[Sequence], vocab_size: int, device: torch.device) -> torch.Tensor | None:
+    """The step's [B, ceil(V / 32)] int32 mask on ``device``: each constrained row from
+    its matcher (matchers fill CPU memory), the other rows all ones; None when no row
+    is constrained."""
+    rows = [(i, s.grammar) for i, s in enumerate(seqs) if s.grammar is not None]
+    if not rows:
+        return None
+    bitmask = torch.full((len(seqs), (vocab_size + 31) // 32), -1, dtype=torch.int32)
+    for row, matcher in rows:
+        matcher.fill_bitmask(bitmask, row)
+    return bitmask.to(device, non_blocking=True)

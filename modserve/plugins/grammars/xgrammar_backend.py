@@ -1,0 +1,134 @@
+"""Grammar backend on xgrammar: JSON schema, regex, EBNF/GBNF or Lark grammars, choice, any JSON object."""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+
+from modserve.core.interfaces import GrammarBackend, GrammarMatcher, GrammarVocab
+from modserve.core.structured_outputs import GrammarSpec
+from modserve.plugins.grammars.byte_guard import ByteGuard
+from modserve.plugins.grammars.gbnf import fill_empty_alternatives
+from modserve.plugins.grammars.schema_gate import unenforced
+
+# xgrammar's C++ errors start with "[hh:mm:ss] /path/file.cc:123: ".
+_CPP_PREFIX = re.compile(r"^\s*\[[\d:]+\]\s+\S+:\d+:\s*")
+# Accepted by xgrammar 0.2 but not enforced (oneOf: when branches may overlap; allOf: with 2+ branches).
+SKIPPED_KEYWORDS = frozenset({"uniqueItems", "not", "if", "dependentRequired", "dependencies", "allOf", "oneOf"})
+SKIPPED_FORMATS = frozenset({"regex", "idn-email", "idn-hostname"})
+SKIPPED_PAIRS = frozenset({("pattern", "minLength"), ("pattern", "maxLength")})  # it warns, then drops the lengths
+
+
+class XGrammarOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    any_whitespace: bool = Field(
+        False, description="JSON: allow any whitespace between tokens. Off (the default) writes compact "
+        "JSON with single spaces after ',' and ':'; random or weak models otherwise emit spaces forever")
+    max_whitespace_cnt: int | None = Field(
+        None, ge=1, description="JSON with any_whitespace: at most this many whitespace characters in a row")
+    strict_mode: bool = Field(
+        True, description="JSON: no properties or items beyond those the schema names, unless it allows them")
+    max_threads: int = Field(2, ge=1, description="threads xgrammar uses to compile one grammar")
+
+
+@dataclass(frozen=True, slots=True)
+class _Compiled:
+    grammar: Any  # xgrammar.CompiledGrammar
+    guard: ByteGuard
+
+
+class XGrammarBackend(GrammarBackend):
+    kinds = frozenset({"json", "regex", "choice", "grammar", "json_object"})
+
+    def __init__(self, vocab: GrammarVocab, options: XGrammarOptions | None = None) -> None:
+        super().__init__(vocab, options or XGrammarOptions())
+        import xgrammar as xgr
+
+        self.xgr = xgr
+        # Bytes per token (empty = special: never inside a grammar), as the core computed them.
+        encoded = [b or b"" for b in vocab.token_bytes]
+        info = xgr.TokenizerInfo(encoded, xgr.VocabType.RAW, vocab_size=vocab.vocab_size,
+                                 stop_token_ids=list(vocab.eos_token_ids))
+        # NOTE: xgrammar's own cache is off: the core's cache is the one place a grammar is kept.
+        self.compiler = xgr.GrammarCompiler(info, max_threads=self.options.max_threads, cache_enabled=False)
+        self.text_guard = ByteGuard(vocab, json=False)
+        self.json_guard = ByteGuard(vocab, json=True)
+
+    def compile(self, spec: GrammarSpec) -> _Compiled:
+        if spec.kind == "json":
+            skipped = unenforced(json.loads(spec.value), SKIPPED_KEYWORDS, SKIPPED_FORMATS, SKIPPED_PAIRS,
+                                 pointer_refs_only=True)
+            if skipped:
+                raise ValueError(f"xgrammar does not enforce {skipped}")
+        try:
+            grammar = self._compile(spec)
+        except (RuntimeError, ValueError, TypeError) as e:
+            raise ValueError(f"xgrammar: {_CPP_PREFIX.sub('', str(e)).strip()}") from None
+        return _Compiled(grammar, self.json_guard if spec.kind in ("json", "json_object") else self.text_guard)
+
+    def _compile(self, spec: GrammarSpec) -> Any:
+        c, opts = self.compiler, self.options
+        if spec.kind in ("json", "json_object"):
+            schema = spec.value if spec.kind == "json" else '{"type": "object"}'
+            return c.compile_json_schema(schema, any_whitespace=opts.any_whitespace, strict_mode=opts.strict_mode,
+                                         max_whitespace_cnt=opts.max_whitespace_cnt if opts.any_whitespace else None)
+        if spec.kind == "regex":
+            return c.compile_regex(spec.value)
+        if spec.kind == "choice":
+            return c.compile_grammar("root ::= " + " | ".join(ebnf_literal(s) for s in spec.value))
+        if "::=" in spec.value:
+            return c.compile_grammar(fill_empty_alternatives(spec.value))
+        # No "::=" rule: Lark syntax (a ``start`` rule, %import common.*), which xgrammar also reads.
+        return c.compile_grammar(self.xgr.Grammar.from_lark(spec.value))
+
+    def matcher(self, compiled: _Compiled, max_rollback: int) -> GrammarMatcher:
+        # xgrammar's matchers roll back any number of tokens (max_rollback_tokens is deprecated).
+        return XGrammarMatcher(self.xgr.GrammarMatcher(compiled.grammar), compiled.guard)
+
+
+class XGrammarMatcher(GrammarMatcher):
+    def __init__(self, matcher: Any, guard: ByteGuard) -> None:
+        self.m = matcher
+        self.guard = guard
+        self.ends_with_ed: list[bool] = []  # per accepted token, for the guard and for rollback
+
+    def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
+        self.m.fill_next_token_bitmask(bitmask, row)
+        self.guard.restrict(bitmask[row], bool(self.ends_with_ed) and self.ends_with_ed[-1])
+
+    def accept_token(self, token_id: int) -> bool:
+        if not self.m.accept_token(token_id):
+            return False
+        self.ends_with_ed.append(bool(self.guard.ends_with_ed[token_id]))
+        return True
+
+    def rollback(self, num_tokens: int) -> None:
+        if num_tokens:
+            self.m.rollback(num_tokens)
+            del self.ends_with_ed[-num_tokens:]
+
+    def is_terminated(self) -> bool:
+        return self.m.is_terminated()
+
+    def reset(self) -> None:
+        self.m.reset()
+        self.ends_with_ed.clear()
+
+
+def ebnf_literal(text: str) -> str:
+    """``text`` as an xgrammar EBNF string literal."""
+    named = {'"': '\\"', "\\": "\\\\", "\n": "\\n", "\r": "\\r", "\t": "\\t"}
+    out = []
+    for ch in text:
+        if ch in named:
+            out.append(named[ch])
+        elif ord(ch) < 0x20 or ord(ch) == 0x7F:
+            out.append(f"\\u{ord(ch):04x}")  # fixed width: a following hex digit can't extend it
+        else:
+            out.append(ch)
+    return '"' + "".join(out) + '"'
