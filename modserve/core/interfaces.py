@@ -286,6 +286,11 @@ class Sampler(ABC):
     @abstractmethod
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput: ...
 
+    def probs(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        """[B, V] the distribution each random row samples from, after every mask,
+        penalty and shaping step. Speculative decoding verifies drafts against it."""
+        raise NotImplementedError(f"{type(self).__name__} cannot give its sampling distribution")
+
 
 # ---------------------------------------------------------------------------
 # Models

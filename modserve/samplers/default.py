@@ -101,33 +101,13 @@ class DefaultSampler(Sampler):
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         # Logprobs are of the raw model distribution, before any processing.
         raw_logprobs = logits.float().log_softmax(dim=-1) if batch.max_num_logprobs >= 0 else None  # [B, V]
-        logits = logits.to(torch.float32, copy=True)  # [B, V]; ours to modify in place
-
-        if batch.allowed_token_bitmask is not None:  # structured outputs: before anything else
-            apply_token_bitmask(logits, batch.allowed_token_bitmask)
-        for row, ids in batch.banned_token_ids:
-            kept = logits[row, ids]
-            logits[row, ids] = _NEG_INF
-            if batch.allowed_token_bitmask is not None and not torch.isfinite(logits[row]).any():
-                logits[row, ids] = kept  # the grammar can only end here: it wins over min_tokens
-        if batch.any_penalty:
-            logits = apply_penalties(logits, batch, self.vocab_size)
-
+        logits = self._mask_and_penalise(logits, batch)
         greedy = logits.argmax(dim=-1)  # [B]
         if batch.all_greedy:
             token_ids = greedy
         else:
-            temperature = batch.temperature.to(logits.dtype)
-            is_greedy = temperature == 0  # [B]
-            # Greedy rows take the argmax anyway; 1.0 only keeps their maths finite.
-            temperature = torch.where(is_greedy, 1.0, temperature)
-            logits = logits / temperature.unsqueeze(1)
-            if batch.any_top_k or batch.any_top_p:
-                logits = apply_top_k_top_p(logits, batch)
-            if batch.any_min_p:
-                logits = apply_min_p(logits, batch.min_p)
-            sampled = exponential_race(logits.softmax(dim=-1), batch.generators)  # [B]
-            token_ids = torch.where(is_greedy, greedy, sampled)
+            sampled = exponential_race(self._shape(logits, batch).softmax(dim=-1), batch.generators)  # [B]
+            token_ids = torch.where(batch.temperature == 0, greedy, sampled)
 
         out = SamplerOutput(token_ids=token_ids)
         if raw_logprobs is not None:
@@ -137,3 +117,31 @@ class DefaultSampler(Sampler):
             if k > 0:
                 out.top_logprobs, out.top_ids = raw_logprobs.topk(k, dim=-1)  # [B, K] each, sorted
         return out
+
+    def probs(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        return self._shape(self._mask_and_penalise(logits, batch), batch).softmax(dim=-1)  # [B, V]
+
+    def _mask_and_penalise(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        """Grammar mask, banned tokens, penalties: greedy rows take the argmax of this."""
+        logits = logits.to(torch.float32, copy=True)  # [B, V]; ours to modify in place
+        if batch.allowed_token_bitmask is not None:  # structured outputs: before anything else
+            apply_token_bitmask(logits, batch.allowed_token_bitmask)
+        for row, ids in batch.banned_token_ids:
+            kept = logits[row, ids]
+            logits[row, ids] = _NEG_INF
+            if batch.allowed_token_bitmask is not None and not torch.isfinite(logits[row]).any():
+                logits[row, ids] = kept  # the grammar can only end here: it wins over min_tokens
+        if batch.any_penalty:
+            logits = apply_penalties(logits, batch, self.vocab_size)
+        return logits
+
+    def _shape(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        """Temperature, top-k / top-p, min-p: the logits a random row samples from."""
+        temperature = batch.temperature.to(logits.dtype)
+        # Greedy rows take the argmax anyway; 1.0 only keeps their maths finite.
+        logits = logits / torch.where(temperature == 0, 1.0, temperature).unsqueeze(1)
+        if batch.any_top_k or batch.any_top_p:
+            logits = apply_top_k_top_p(logits, batch)
+        if batch.any_min_p:
+            logits = apply_min_p(logits, batch.min_p)
+        return logits
