@@ -212,19 +212,24 @@ def cached_checkpoint(arch: str = "llama", preset: str = "tiny", dtype: str = "f
                       seed: int = 0, cache_dir: str | os.PathLike | None = None,
                       **overrides: Any) -> Path:
     """make_checkpoint once per distinct arguments; safe across parallel processes."""
+    key = dict(arch=arch, preset=preset, dtype=dtype, seed=seed, overrides=overrides)
+    return _cached(f"{arch}-{preset}-{dtype}-s{seed}", key, cache_dir,
+                   lambda out: make_checkpoint(out, arch, preset, dtype, seed, **overrides))
+
+
+def _cached(prefix: str, key: dict[str, Any], cache_dir: str | os.PathLike | None, make: Any) -> Path:
     root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     # transformers' major version is in the key: v5 writes tokenizer files v4 can't read.
     tf_major = importlib.metadata.version("transformers").split(".")[0]
-    key = json.dumps(dict(v=_FORMAT_VERSION, transformers=tf_major, arch=arch, preset=preset,
-                          dtype=dtype, seed=seed, overrides=overrides), sort_keys=True, default=str)
-    final = root / f"{arch}-{preset}-{dtype}-s{seed}-{hashlib.sha256(key.encode()).hexdigest()[:12]}"
+    text = json.dumps(dict(v=_FORMAT_VERSION, transformers=tf_major, **key), sort_keys=True, default=str)
+    final = root / f"{prefix}-{hashlib.sha256(text.encode()).hexdigest()[:12]}"
     if final.is_dir():  # only ever created by an atomic rename, so it is complete
         return final
     root.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{final.name}-", dir=root))
     try:
-        make_checkpoint(tmp, arch, preset, dtype, seed, **overrides)
-        (tmp / "modserve_key.json").write_text(key)
+        make(tmp)
+        (tmp / "modserve_key.json").write_text(text)
         tmp.chmod(0o755)  # mkdtemp makes it private; a shared cache should stay readable
         os.rename(tmp, final)  # fails if another process won the race: theirs is as good
     except OSError:
@@ -233,3 +238,128 @@ def cached_checkpoint(arch: str = "llama", preset: str = "tiny", dtype: str = "f
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return final
+
+
+# -- pre-quantized checkpoints (AWQ, GPTQ) ----------------------------------------------
+# Round-to-nearest quantization of a float checkpoint's linear layers, packed exactly as
+# AutoAWQ (GEMM) and AutoGPTQ / GPTQModel write them. Written independently of the
+# engine's unpacking in modserve.quantizers, so tests can hold one against the other.
+QUANTIZED_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+AWQ_PACK_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # int32 nibble i holds output channel AWQ_PACK_ORDER[i] of 8
+
+
+def _to_int32(words: torch.Tensor) -> torch.Tensor:
+    """int64 words in [0, 2**32) -> int32 with the same bits."""
+    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+
+
+def pack_int32(values: torch.Tensor, bits: int, dim: int, order: tuple[int, ...] | None = None) -> torch.Tensor:
+    """Pack ``32 // bits`` unsigned ints per int32 along ``dim`` (lowest bits first), value
+    ``order[i]`` of each run of ``32 // bits`` going to slot ``i`` (default: in order)."""
+    per = 32 // bits
+    v = values.to(torch.int64).movedim(dim, -1)
+    v = v.reshape(*v.shape[:-1], v.shape[-1] // per, per)  # [..., C / per, per]
+    if order is not None:
+        v = v[..., list(order)]
+    words = sum(v[..., i] << (bits * i) for i in range(per))
+    return _to_int32(words).movedim(-1, dim).contiguous()
+
+
+def awq_quantize(w: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """AWQ's zero-point round-to-nearest: ``w [N, K]`` -> (q ``[K, N]``, zeros ``[K/g, N]``,
+    scales ``[K/g, N]`` float16) with ``w.T ≈ (q - zeros[k // g]) * scales[k // g]``."""
+    wt = w.float().t()  # [K, N]
+    k, n = wt.shape
+    grouped = wt.reshape(k // group_size, group_size, n)
+    lo, hi = grouped.amin(dim=1), grouped.amax(dim=1)  # [K/g, N]
+    scales = ((hi - lo).clamp(min=1e-5) / 15).half()
+    s = scales.float()
+    zeros = torch.clamp(-torch.round(lo / s), 0, 15)
+    q = torch.clamp(torch.round(grouped / s[:, None]) + zeros[:, None], 0, 15)
+    return q.reshape(k, n).int(), zeros.int(), scales
+
+
+def gptq_quantize(w: torch.Tensor, bits: int, group_size: int, g_idx: torch.Tensor
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """GPTQ's symmetric grid, rounded to nearest: ``w [N, K]`` -> (q ``[K, N]``, zeros, scales
+    ``[groups, N]``) with ``w.T ≈ (q - zeros[g_idx]) * scales[g_idx]``; zeros are 2**(bits-1)."""
+    wt = w.float().t()  # [K, N]
+    maxq = 2**bits - 1
+    groups = int(g_idx.max()) + 1
+    amax = torch.stack([wt[g_idx == i].abs().amax(dim=0) for i in range(groups)])  # [groups, N]
+    scales = (2 * amax.clamp(min=1e-5) / maxq).half()
+    zeros = torch.full_like(amax, (maxq + 1) // 2).int()
+    s = scales.float()[g_idx.long()]  # [K, N]
+    q = torch.clamp(torch.round(wt / s) + zeros[g_idx.long()], 0, maxq)
+    return q.int(), zeros, scales
+
+
+def act_order_g_idx(k: int, group_size: int, seed: object) -> torch.Tensor:
+    """A desc_act g_idx: channels taken in a seeded order, ``group_size`` at a time."""
+    perm = torch.randperm(k, generator=torch.Generator().manual_seed(_seed_for(seed)))
+    g_idx = torch.empty(k, dtype=torch.int32)
+    g_idx[perm] = torch.arange(k, dtype=torch.int32) // group_size
+    return g_idx
+
+
+def make_quantized_checkpoint(src: str | os.PathLike, out_dir: str | os.PathLike, method: str,
+                              bits: int = 4, group_size: int = 32, desc_act: bool = False,
+                              checkpoint_format: str = "gptq") -> Path:
+    """Copy float checkpoint ``src`` with every decoder linear quantized (``method``: awq or
+    gptq); embeddings, norms, biases and lm_head stay as they are."""
+    from safetensors.torch import load_file, save_file
+
+    src, out = Path(src), Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    for f in src.iterdir():
+        if f.is_file() and f.suffix != ".safetensors" and f.name not in ("modserve_key.json", "config.json"):
+            shutil.copy(f, out / f.name)
+    weights: dict[str, torch.Tensor] = {}
+    for file in sorted(src.glob("*.safetensors")):
+        weights.update(load_file(file))
+    quantized: dict[str, torch.Tensor] = {}
+    for name, w in weights.items():
+        module, _, leaf = name.rpartition(".")
+        kind = module.rpartition(".")[2]
+        if leaf != "weight" or kind not in QUANTIZED_LINEARS:
+            quantized[name] = w
+            continue
+        if method == "awq":
+            q, zeros, scales = awq_quantize(w, group_size)
+            quantized[f"{module}.qweight"] = pack_int32(q, 4, dim=1, order=AWQ_PACK_ORDER)  # [K, N/8]
+            quantized[f"{module}.qzeros"] = pack_int32(zeros, 4, dim=1, order=AWQ_PACK_ORDER)  # [K/g, N/8]
+            quantized[f"{module}.scales"] = scales  # [K/g, N]
+            continue
+        k = w.shape[1]
+        # Layers that read the same input (q/k/v, gate/up) share GPTQ's column order.
+        reads = "attn" if kind in ("q_proj", "k_proj", "v_proj") else "mlp" if kind != "o_proj" else kind
+        seed = (module.rpartition(".")[0].rpartition(".")[0], reads, k)
+        g_idx = act_order_g_idx(k, group_size, seed) if desc_act else torch.arange(k, dtype=torch.int32) // group_size
+        q, zeros, scales = gptq_quantize(w, bits, group_size, g_idx)
+        quantized[f"{module}.qweight"] = pack_int32(q, bits, dim=0)  # [K / pack, N]
+        stored = zeros - 1 if checkpoint_format == "gptq" else zeros  # v1 stores zero - 1
+        quantized[f"{module}.qzeros"] = pack_int32(stored, bits, dim=1)  # [groups, N / pack]
+        quantized[f"{module}.scales"] = scales  # [groups, N]
+        quantized[f"{module}.g_idx"] = g_idx  # [K]
+    save_file(quantized, str(out / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((src / "config.json").read_text())
+    if method == "awq":
+        config["quantization_config"] = {"quant_method": "awq", "bits": 4, "group_size": group_size,
+                                         "zero_point": True, "version": "gemm", "modules_to_not_convert": None}
+    elif method == "gptq":
+        config["quantization_config"] = {"quant_method": "gptq", "bits": bits, "group_size": group_size,
+                                         "desc_act": desc_act, "sym": True, "checkpoint_format": checkpoint_format,
+                                         "static_groups": False, "true_sequential": True, "damp_percent": 0.01}
+    else:
+        raise ValueError(f"unknown method {method!r}; expected awq or gptq")
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    return out
+
+
+def cached_quantized_checkpoint(method: str, arch: str = "llama", preset: str = "tiny",
+                                cache_dir: str | os.PathLike | None = None, **quant: Any) -> Path:
+    """make_quantized_checkpoint of cached_checkpoint(arch, preset), once per arguments."""
+    src = cached_checkpoint(arch, preset, cache_dir=cache_dir)
+    key = dict(source=src.name, method=method, quant=quant)
+    return _cached(f"{arch}-{preset}-{method}", key, cache_dir,
+                   lambda out: make_quantized_checkpoint(src, out, method, **quant))

@@ -21,6 +21,10 @@ the fused flash kernel (3-D inputs fall back to the math path, which repeats KV
 heads). Decodes in bfloat16/float16 on CPU are computed in float32 (KV converted
 while it is gathered): PyTorch's reduced-precision CPU kernels are several times
 slower for the single-query case unless the CPU has native bf16 support.
+
+An fp8 (e4m3) cache holds ``k / k_scale`` and ``v / v_scale``. Attention reads it
+unscaled, in float32, with ``k_scale`` folded into the softmax scale and ``v_scale``
+into the output: ``softmax(q (ks k8)^T s) (vs v8) = vs softmax(q k8^T (ks s)) v8``.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ import torch
 import torch.nn.functional as F
 from pydantic import BaseModel
 
+from modserve.core.fp8 import FP8, fp8_to_float, to_fp8
 from modserve.core.interfaces import AttentionBackend, AttentionMetadata, AttentionSpec
 
 
@@ -65,6 +70,14 @@ class PagedAttention(AttentionBackend):
     def __init__(self, spec: AttentionSpec, options: BaseModel | None = None) -> None:
         super().__init__(spec, options)
         self._workspace: dict[str, torch.Tensor] = {}
+        self.fp8 = spec.kv_cache_dtype == FP8
+        # (softmax scale, factor on the output): the fp8 cache's scales folded in
+        self._scales = (spec.scale * spec.k_scale, spec.v_scale) if self.fp8 else (spec.scale, 1.0)
+
+    def kv_cache_problem(self) -> str | None:
+        if self.spec.kv_cache_dtype in (self.spec.dtype, FP8):
+            return None
+        return f"paged reads a KV cache in the compute dtype or float8_e4m3fn, not {self.spec.kv_cache_dtype}"
 
     # -- once per step ---------------------------------------------------
     def prepare(self, meta: AttentionMetadata) -> PagedAttentionState:
@@ -120,8 +133,16 @@ class PagedAttention(AttentionBackend):
         hkv, d = s.num_kv_heads, s.head_dim
         key_cache = kv_cache[0].view(-1, hkv, d)  # [slots, Hkv, D]
         value_cache = kv_cache[1].view(-1, hkv, d)  # [slots, Hkv, D]
-        key_cache.index_copy_(0, meta.slot_mapping, k)
-        value_cache.index_copy_(0, meta.slot_mapping, v)
+        if self.fp8:
+            self._scales = (s.scale * s.k_scale, s.v_scale)  # the core may set scales after __init__
+            k, v = to_fp8(k, s.k_scale), to_fp8(v, s.v_scale)
+            # as raw bytes: index_copy_ has no float8 kernel on CPU
+            key_cache, value_cache = key_cache.view(torch.uint8), value_cache.view(torch.uint8)
+            key_cache.index_copy_(0, meta.slot_mapping, k.view(torch.uint8))
+            value_cache.index_copy_(0, meta.slot_mapping, v.view(torch.uint8))
+        else:
+            key_cache.index_copy_(0, meta.slot_mapping, k)
+            value_cache.index_copy_(0, meta.slot_mapping, v)
 
         if state.all_decodes:
             return self._decode(q, kv_cache, state)
@@ -138,15 +159,19 @@ class PagedAttention(AttentionBackend):
                 keys = self._gather("k", kv_cache[0], p.blocks)[: p.seq_len]  # [L, Hkv, D]
                 values = self._gather("v", kv_cache[1], p.blocks)[: p.seq_len]  # [L, Hkv, D]
                 mask = p.mask
+            if self.fp8:
+                keys, values, q_p = self._float("k", keys), self._float("v", values), q_p.float()
             o = F.scaled_dot_product_attention(
                 q_p,
                 keys.transpose(0, 1)[None],  # [1, Hkv, L, D]
                 values.transpose(0, 1)[None],  # [1, Hkv, L, D]
                 attn_mask=mask,
                 is_causal=mask is None,
-                scale=s.scale,
+                scale=self._scales[0],
                 enable_gqa=True,
             )  # [1, H, Lq, D]
+            if self.fp8:
+                o = o * self._scales[1]
             out[p.start : p.end] = o[0].transpose(0, 1)
         return out
 
@@ -162,7 +187,9 @@ class PagedAttention(AttentionBackend):
         keys = self._gather("k", kv_cache[0], state.decode_blocks)  # [Bd * L, Hkv, D]
         values = self._gather("v", kv_cache[1], state.decode_blocks)  # [Bd * L, Hkv, D]
         dtype = q.dtype
-        if q.device.type == "cpu" and dtype in (torch.bfloat16, torch.float16):
+        if self.fp8:
+            keys, values, q = self._float("k", keys), self._float("v", values), q.float()
+        elif q.device.type == "cpu" and dtype in (torch.bfloat16, torch.float16):
             keys = self._buffer("k32", keys.shape, torch.float32, keys.device).copy_(keys)
             values = self._buffer("v32", values.shape, torch.float32, values.device).copy_(values)
             q = q.float()
@@ -171,10 +198,17 @@ class PagedAttention(AttentionBackend):
             keys.view(bd, length, s.num_kv_heads, s.head_dim).transpose(1, 2),  # [Bd, Hkv, L, D]
             values.view(bd, length, s.num_kv_heads, s.head_dim).transpose(1, 2),  # [Bd, Hkv, L, D]
             attn_mask=state.decode_mask,  # [Bd, 1, 1, L]
-            scale=s.scale,
+            scale=self._scales[0],
             enable_gqa=True,
         )  # [Bd, H, 1, D]
+        if self.fp8:
+            o = o * self._scales[1]
         return o[:, :, 0].to(dtype)
+
+    def _float(self, name: str, x: torch.Tensor) -> torch.Tensor:
+        """fp8 keys or values -> float32 (unscaled) in workspace ``name``32."""
+        return fp8_to_float(x, out=self._buffer(name + "32", x.shape, torch.float32, x.device),
+                            index=self._buffer(name + "idx", x.shape, torch.int32, x.device))
 
     # -- workspace -------------------------------------------------------
     def _gather(self, name: str, cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:

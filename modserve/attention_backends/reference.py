@@ -3,6 +3,7 @@
 Every other backend is tested against this one. It writes the step's k/v into
 the paged cache, then for each sequence gathers exactly ``seq_len`` keys/values
 from the cache by its block table and runs SDPA with an explicit causal mask.
+An fp8 cache stores ``e4m3(k / k_scale)``; reading multiplies the scale back.
 """
 
 from __future__ import annotations
@@ -12,11 +13,17 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from modserve.core.fp8 import FP8, to_fp8
 from modserve.core.interfaces import AttentionBackend, AttentionMetadata
 
 
 class ReferenceAttention(AttentionBackend):
     """Per-sequence SDPA over KV gathered from the paged cache."""
+
+    def kv_cache_problem(self) -> str | None:
+        if self.spec.kv_cache_dtype in (self.spec.dtype, FP8):
+            return None
+        return f"reference reads a KV cache in the compute dtype or float8_e4m3fn, not {self.spec.kv_cache_dtype}"
 
     def forward(
         self,
@@ -34,8 +41,9 @@ class ReferenceAttention(AttentionBackend):
         value_cache = kv_cache[1].view(-1, hkv, d)  # [slots, Hkv, D]
 
         # 1. Store this step's keys/values at their slots.
-        key_cache[meta.slot_mapping] = k
-        value_cache[meta.slot_mapping] = v
+        fp8 = s.kv_cache_dtype == FP8
+        key_cache[meta.slot_mapping] = to_fp8(k, s.k_scale) if fp8 else k
+        value_cache[meta.slot_mapping] = to_fp8(v, s.v_scale) if fp8 else v
 
         out = torch.empty_like(q)  # [T, H, D]
         start = 0
@@ -51,6 +59,9 @@ class ReferenceAttention(AttentionBackend):
             slots = meta.block_tables[i][pos // bs] * bs + pos % bs  # [L]
             keys = key_cache[slots].repeat_interleave(group, dim=1)  # [L, H, D]
             values = value_cache[slots].repeat_interleave(group, dim=1)  # [L, H, D]
+            if fp8:
+                keys = (keys.float() * s.k_scale).to(q.dtype)
+                values = (values.float() * s.v_scale).to(q.dtype)
 
             # 3. Query row r sits at position context_len + r and sees keys j <= that.
             q_pos = context_len + torch.arange(query_len, device=q.device)  # [Lq]

@@ -85,6 +85,8 @@ def add_parsers(sub: Any) -> None:
     p.add_argument("--hardware", choices=HARDWARE_CHOICES, default="h100")
     p.add_argument("--dtype", help="weights: float32, bfloat16, float16, fp8, int8, int4 (default: the checkpoint's)")
     p.add_argument("--kv-dtype", help="KV cache values (default: the weights', at least bfloat16)")
+    p.add_argument("--quantization", help="quantizer (int8, fp8, awq, gptq): weights as it stores them, "
+                                          "--dtype for the rest (needs a checkpoint directory)")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel devices")
     p.add_argument("--context-len", type=int, default=0, help="tokens of KV each decode step reads")
     p.add_argument("--memory-fraction", type=float, default=0.9, help="of device memory for weights + KV")
@@ -165,8 +167,10 @@ def cmd_latency(args: argparse.Namespace) -> int:
     hw_name = args.hardware or ("cpu" if llm.config.device == "cpu" else None)
     if hw_name:
         dtype = str(llm.engine.dtype).removeprefix("torch.")
-        p = plan(ModelShape.load(llm.config.model), hardware(hw_name, dtype), dtype,
-                 context_len=args.input_len + args.output_len // 2)
+        kv_dtype = "fp8" if llm.config.kv_cache_dtype == "fp8_e4m3" else None
+        p = plan(ModelShape.load(llm.config.model), hardware(hw_name, dtype), dtype, kv_dtype,
+                 context_len=args.input_len + args.output_len // 2,
+                 weight_bytes=llm.engine.runner.weight_bytes)  # as allocated: quantized or not
         rate = Spread.of([r["decode tok/s"] for r in runs]).median
         print(f"decode {rate:.1f} tok/s = {rate / p.decode_ceiling_tok_s:.0%} of the {hw_name} single-stream "
               f"ceiling of {p.decode_ceiling_tok_s:.1f} tok/s ({p.bandwidth / 1e9:.1f} GB/s over "
@@ -273,8 +277,17 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
     shape = ModelShape.load(args.model)
     dtype = normalize_dtype(args.dtype or shape.dtype)
+    weight_bytes = None
+    if args.quantization:
+        import torch
+
+        from modserve.core.quantization import planned_weight_bytes
+
+        model_dir = Path(args.model).parent if Path(args.model).is_file() else args.model
+        weight_bytes = planned_weight_bytes(model_dir, args.quantization, getattr(torch, dtype),
+                                            "cpu" if args.hardware == "cpu" else "cuda")
     result = plan(shape, hardware(args.hardware, dtype), dtype, args.kv_dtype, args.tp, args.context_len,
-                  args.memory_fraction)
+                  args.memory_fraction, weight_bytes, args.quantization)
     if args.json:
         print(json.dumps(asdict(result), indent=2))
     else:

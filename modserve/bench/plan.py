@@ -116,6 +116,7 @@ class Plan:
     prefill_s_per_1k: float
     bandwidth: float
     flops: float
+    quantization: str | None = None  # weight_bytes from the quantizer's own layout
 
     def lines(self) -> list[str]:
         batch = ("never: KV reads grow as fast as the math" if math.isinf(self.compute_bound_batch)
@@ -124,7 +125,8 @@ class Plan:
             f"hardware        {self.hardware} x{self.tp}: {self.bandwidth / 1e9:,.1f} GB/s, "
             f"{self.flops / 1e12:,.2f} TFLOP/s for {self.dtype} weights, per device",
             f"parameters      {self.num_params / 1e9:,.3f} B",
-            f"weights         {self.weight_bytes / 2**30:,.2f} GiB per device ({self.dtype})",
+            f"weights         {self.weight_bytes / 2**30:,.2f} GiB per device ("
+            + (f"{self.quantization} linears, {self.dtype} elsewhere)" if self.quantization else f"{self.dtype})"),
             f"KV per token    {self.kv_bytes_per_token / 2**10:,.1f} KiB per device ({self.kv_dtype})",
             f"KV budget       {self.kv_budget_bytes / 2**30:,.2f} GiB per device = {self.kv_tokens:,} tokens",
             f"decode ceiling  {self.decode_ceiling_tok_s:,.1f} tok/s single-stream (context {self.context_len})",
@@ -142,11 +144,14 @@ def normalize_dtype(name: str) -> str:
 
 
 def plan(shape: ModelShape, hw: Hardware, dtype: str | None = None, kv_dtype: str | None = None,
-         tp: int = 1, context_len: int = 0, memory_fraction: float = 0.9) -> Plan:
+         tp: int = 1, context_len: int = 0, memory_fraction: float = 0.9,
+         weight_bytes: float | None = None, quantization: str | None = None) -> Plan:
+    """``weight_bytes`` (whole model) overrides parameters x bytes per weight: what a
+    quantizer keeps (modserve.core.quantization.planned_weight_bytes)."""
     dtype = normalize_dtype(dtype or shape.dtype)
     kv_dtype = normalize_dtype(kv_dtype or ("bfloat16" if DTYPE_BYTES[dtype] < 2 else dtype))
     params = shape.num_params
-    weights = params * DTYPE_BYTES[dtype] / tp
+    weights = (params * DTYPE_BYTES[dtype] if weight_bytes is None else weight_bytes) / tp
     kv_per_token = 2 * shape.num_layers * math.ceil(shape.num_kv_heads / tp) * shape.head_dim * DTYPE_BYTES[kv_dtype]
     budget = max(0.0, hw.memory * memory_fraction - weights)
     flops = hw.flops(dtype)
@@ -157,7 +162,7 @@ def plan(shape: ModelShape, hw: Hardware, dtype: str | None = None, kv_dtype: st
     prefill_flops = 2 * params * n + 2 * shape.num_layers * shape.num_heads * shape.head_dim * n * n
     return Plan(hw.name, tp, dtype, kv_dtype, context_len, params, weights, kv_per_token, budget,
                 int(budget // kv_per_token), hw.bandwidth / (weights + context_len * kv_per_token),
-                batch, prefill_flops / (tp * flops), hw.bandwidth, flops)
+                batch, prefill_flops / (tp * flops), hw.bandwidth, flops, quantization)
 
 
 def measure_cpu(dtype: str = "float32", seconds: float = 0.5) -> Hardware:

@@ -88,8 +88,8 @@ class LLMEngine:
                 f"{field}: the KV cache holds {blocks * cfg.block_size} tokens, fewer than "
                 f"max_model_len={self.max_model_len}; give it more memory or lower max_model_len"
             )
-        logger.info("KV cache: %d blocks x %d tokens = %.3f GiB", blocks, cfg.block_size,
-                    blocks * per_block / 2**30)
+        logger.info("KV cache: %d blocks x %d tokens = %.3f GiB (%s)", blocks, cfg.block_size,
+                    blocks * per_block / 2**30, str(self.runner.attn_spec.kv_cache_dtype).removeprefix("torch."))
         return blocks
 
     def _num_swap_blocks(self) -> int:
@@ -310,6 +310,8 @@ class LLMEngine:
             "blocks_swapped_in": self.scheduler.blocks_swapped["in"],
             **self.counters,
             **{f"allocator_{k}": v for k, v in self.allocator.stats().items()},
+            "weight_bytes": self.runner.weight_bytes,  # as allocated, quantized or not
+            "kv_cache_bytes": sum(c.numel() * c.element_size() for c in self.runner.kv_caches),
         }
 
 

@@ -34,6 +34,15 @@ class AttentionSpec:
     block_size: int
     dtype: torch.dtype
     device: torch.device
+    # What the KV cache stores. A dtype other than ``dtype`` (float8_e4m3fn) holds
+    # ``k / k_scale`` and ``v / v_scale``: one scale per cache tensor.
+    kv_cache_dtype: torch.dtype | None = None  # None: dtype
+    k_scale: float = 1.0
+    v_scale: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.kv_cache_dtype is None:
+            self.kv_cache_dtype = self.dtype
 
 
 @dataclass(slots=True)
@@ -74,11 +83,20 @@ class AttentionBackend(ABC):
     that sequence's keys at positions ``<=`` its own (its cached context plus the
     new tokens), with grouped-query heads (``num_heads % num_kv_heads == 0``).
     Every backend must give the same result as ``reference`` up to float error.
+    With a quantized cache (``spec.kv_cache_dtype``), every key and value is read as
+    stored, this step's included.
     """
 
     def __init__(self, spec: AttentionSpec, options: BaseModel | None = None) -> None:
         self.spec = spec
         self.options = options
+
+    def kv_cache_problem(self) -> str | None:
+        """Why this backend cannot use a cache of ``spec.kv_cache_dtype``; None if it can.
+        Default: it reads only a cache in the compute dtype."""
+        if self.spec.kv_cache_dtype != self.spec.dtype:
+            return f"{type(self).__name__} reads only a KV cache in the compute dtype ({self.spec.dtype})"
+        return None
 
     def kv_cache_shape(self, num_blocks: int) -> tuple[int, ...]:
         """Shape of one layer's cache. Default: [2 (k, v), blocks, block_size, kv_heads, head_dim].
@@ -157,6 +175,10 @@ class KVAllocator(ABC):
     def mark_computed(self, seq: Sequence) -> None:
         """Called after a step wrote KV up to ``seq.num_computed_tokens``, so full
         blocks can be published to a prefix cache. Default: nothing."""
+
+    def trim(self, seq: Sequence, num_tokens: int) -> None:
+        """Release blocks past the first ``num_tokens`` tokens (rejected speculative
+        slots). Default: keep them; the sequence reuses them as it grows."""
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """Make ``child`` (no blocks yet) share all of ``parent``'s blocks."""
@@ -298,9 +320,12 @@ class Sampler(ABC):
 class CausalLM(torch.nn.Module):
     """A model architecture over a flattened (varlen) batch.
 
-    Constructed as ``cls(hf_config, attn_backend, max_positions)`` on the "meta"
-    device; the core moves it to the real device and calls
-    ``load_weights`` with the checkpoint's ``(name, tensor)`` pairs.
+    Constructed as ``cls(hf_config, attn_backend, max_positions, make_linear=...)`` on
+    the "meta" device with the compute dtype as default dtype; the core moves it to the
+    real device and calls ``load_weights`` with the checkpoint's ``(name, tensor)``
+    pairs, then finishes the linears. Every projection comes from ``make_linear(in, out,
+    bias=, shard_sizes=)`` (:mod:`modserve.core.linear`): ``load_weights`` hands each of a
+    linear's checkpoint tensors to ``linear.load(name, tensor, shard)``.
     """
 
     @abstractmethod
@@ -323,19 +348,90 @@ class CausalLM(torch.nn.Module):
 
 
 # ---------------------------------------------------------------------------
-# Kinds whose built-ins arrive with later work; their contracts start here.
+# Quantization
 # ---------------------------------------------------------------------------
-class Quantizer(ABC):
-    """Replaces a linear layer's weights with a quantized form and runs its matmul."""
+@dataclass(frozen=True, slots=True)
+class LinearSpec:
+    """One linear layer as the model declares it: ``y = x @ W.T + b`` with ``W: [out, in]``.
 
-    def __init__(self, options: BaseModel | None = None) -> None:
+    ``shard_sizes`` lists the output rows of each checkpoint tensor fused into the layer,
+    in order (q, k, v for a fused qkv_proj); ``(out_features,)`` for an unfused layer.
+    """
+
+    in_features: int
+    out_features: int
+    shard_sizes: tuple[int, ...]
+    bias: bool
+    dtype: torch.dtype  # activations, and the weights of an unquantized layer
+    device: torch.device  # where the weights will live (kernels are chosen by it)
+
+    def shard_offset(self, shard: int) -> int:
+        return sum(self.shard_sizes[:shard])
+
+
+class Quantizer(ABC):
+    """How every quantized linear layer of a model stores its weights and runs its matmul.
+
+    One instance per engine. For each :class:`~modserve.core.linear.Linear` the core calls,
+    in this order:
+
+    1. ``create_weights(layer, spec)`` while the model is built on the "meta" device:
+       register on ``layer`` every tensor the layer keeps (``torch.nn.Parameter`` with
+       ``requires_grad=False`` or buffers), in its final dtype. ``layer.bias`` (float,
+       ``[out]``) is the core's.
+    2. ``load_weight(layer, name, tensor, shard)`` once per checkpoint tensor of the layer:
+       ``name`` is the tensor's last name part (``"weight"``, ``"qweight"``, ...), ``shard``
+       indexes ``spec.shard_sizes``. Fused shards arrive in any order; a name the quantizer
+       does not read is an error naming it.
+    3. ``process_weights(layer)`` once, after every tensor is loaded: repack for a kernel,
+       drop staging tensors.
+    4. ``apply(layer, x)`` on every forward: ``x: [T, in]`` in ``spec.dtype`` to
+       ``[T, out]``, plus ``layer.bias`` when it is not None.
+
+    ``dequantize(layer)`` returns the ``[out, in]`` float32 weight the layer stands for,
+    exactly (the tests compare it bit for bit with a reference dequantization), and
+    ``weight_bytes(spec)`` the bytes the layer keeps after ``process_weights``, for
+    capacity planning (the tests check it against what the engine allocated).
+
+    A quantizer for pre-quantized checkpoints names the ``quantization_config.quant_method``
+    values it reads in ``checkpoint_methods`` and receives that config as ``checkpoint_config``;
+    one that quantizes a float checkpoint at load leaves it empty.
+    """
+
+    checkpoint_methods: tuple[str, ...] = ()
+
+    def __init__(self, checkpoint_config: dict[str, Any] | None = None,
+                 options: BaseModel | None = None) -> None:
+        self.checkpoint_config = checkpoint_config or {}
         self.options = options
 
+    def tensor_names(self, spec: LinearSpec) -> tuple[str, ...]:
+        """Checkpoint tensors every shard of a layer must provide (besides its bias)."""
+        return ("weight",)
+
     @abstractmethod
-    def quantize_linear(self, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.nn.Module:
-        """Return a module computing ``x @ weight.T + bias`` from quantized weights."""
+    def create_weights(self, layer: torch.nn.Module, spec: LinearSpec) -> None: ...
+
+    @abstractmethod
+    def load_weight(self, layer: torch.nn.Module, name: str, tensor: torch.Tensor, shard: int) -> None: ...
+
+    def process_weights(self, layer: torch.nn.Module) -> None:
+        """Called once after loading. Default: nothing."""
+
+    @abstractmethod
+    def apply(self, layer: torch.nn.Module, x: torch.Tensor) -> torch.Tensor: ...
+
+    @abstractmethod
+    def dequantize(self, layer: torch.nn.Module) -> torch.Tensor:  # [out, in] float32
+        ...
+
+    @abstractmethod
+    def weight_bytes(self, spec: LinearSpec) -> int: ...
 
 
+# ---------------------------------------------------------------------------
+# Kinds whose built-ins arrive with later work; their contracts start here.
+# ---------------------------------------------------------------------------
 @dataclass(frozen=True, slots=True)
 class GrammarVocab:
     """The tokenizer as a grammar backend sees it; built once per engine."""

@@ -12,7 +12,9 @@ from modserve.core.batch import build_batch
 from modserve.core.config import EngineConfig
 from modserve.core.grammar import fill_token_bitmask
 from modserve.core.interfaces import AttentionSpec, SamplerOutput, SamplingBatch
+from modserve.core.linear import default_dtype, finish_linears, linear_factory, model_bytes
 from modserve.core.loader import iter_weights
+from modserve.core.quantization import kv_cache_dtype, select_quantizer
 from modserve.core.registry import Registry
 from modserve.core.sequence import Sequence
 
@@ -39,8 +41,12 @@ class ModelRunner:
             block_size=config.block_size,
             dtype=dtype,
             device=self.device,
+            kv_cache_dtype=kv_cache_dtype(config.kv_cache_dtype, dtype),
         )
         self.attn = registry.create("attention_backend", config.attention_backend, self.attn_spec)
+        if problem := self.attn.kv_cache_problem():
+            raise ValueError(f"kv_cache_dtype {config.kv_cache_dtype}: attention backend "
+                             f"{config.attention_backend.name!r} cannot use it: {problem}")
         self.vocab_size = hf_config.vocab_size
         self.sampler = registry.create("sampler", config.sampler, self.vocab_size)
         self.model = self._load_model(registry, max_model_len, progress)
@@ -51,25 +57,47 @@ class ModelRunner:
         if not archs:
             raise ValueError("config.json names no 'architectures'")
         model_cls = registry.load("model_architecture", archs[0])
-        with torch.device("meta"):
-            model = model_cls(self.hf_config, self.attn, max_model_len)
-        model = model.to_empty(device=self.device).to(self.dtype)
-        model.load_weights(iter_weights(self.config.model, progress=progress))
+        self.quantizer = select_quantizer(self.config.quantization, self.hf_config, registry)
+        make_linear = linear_factory(self.quantizer, self.dtype, self.device)
+        with torch.device("meta"), default_dtype(self.dtype):
+            model = model_cls(self.hf_config, self.attn, max_model_len, make_linear=make_linear)
+        model = model.to_empty(device=self.device)
+        model.load_weights(self._weights(progress))
+        finish_linears(model)
+        self.weight_bytes = model_bytes(model)
+        logger.info("weights: %.1f MiB (%s)", self.weight_bytes / 2**20,
+                    type(self.quantizer).__name__ if self.quantizer else str(self.dtype).removeprefix("torch."))
         return model.eval()
+
+    def _weights(self, progress: bool):
+        """The checkpoint's tensors, less the KV cache scales (``*.k_scale``, ``*.v_scale``): one
+        scale per cache tensor, so the largest over the layers (none clip)."""
+        scales: dict[str, list[float]] = {"k_scale": [], "v_scale": []}
+        for name, tensor in iter_weights(self.config.model, progress=progress):
+            kind = name.rpartition(".")[2]
+            if kind in scales:
+                scales[kind].append(float(tensor.float().max()))
+                continue
+            yield name, tensor
+        if self.attn_spec.kv_cache_dtype != self.dtype and scales["k_scale"]:
+            self.attn_spec.k_scale, self.attn_spec.v_scale = max(scales["k_scale"]), max(scales["v_scale"])
+            logger.info("KV cache scales from the checkpoint: k %g, v %g",
+                        self.attn_spec.k_scale, self.attn_spec.v_scale)
 
     # -- KV cache -----------------------------------------------------------------
     def kv_bytes_per_block(self) -> int:
         shape = self.attn.kv_cache_shape(1)
-        return int(np.prod(shape)) * self.dtype.itemsize * self.attn_spec.num_layers
+        return int(np.prod(shape)) * self.attn_spec.kv_cache_dtype.itemsize * self.attn_spec.num_layers
 
     def allocate_kv_cache(self, num_blocks: int, num_host_blocks: int = 0) -> None:
         # Zeroed once: masked-out slots must hold finite values (0 * NaN would poison attention).
         shape = self.attn.kv_cache_shape(num_blocks)
-        self.kv_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device)
+        kv_dtype = self.attn_spec.kv_cache_dtype
+        self.kv_caches = [torch.zeros(shape, dtype=kv_dtype, device=self.device)
                           for _ in range(self.attn_spec.num_layers)]
         host_shape = self.attn.kv_cache_shape(num_host_blocks)
         pin = self.device.type == "cuda"
-        self.host_caches = [torch.zeros(host_shape, dtype=self.dtype, pin_memory=pin)
+        self.host_caches = [torch.zeros(host_shape, dtype=kv_dtype, pin_memory=pin)
                             for _ in range(self.attn_spec.num_layers)] if num_host_blocks else []
 
     @torch.inference_mode()

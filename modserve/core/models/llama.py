@@ -1,7 +1,9 @@
 """Llama-family decoder (Llama, Mistral, Qwen2) over a flattened varlen batch.
 
 Fused projections (q|k|v and gate|up) make one GEMM where Hugging Face runs
-several; ``load_weights`` maps the checkpoint's separate tensors into them.
+several; ``load_weights`` hands the checkpoint's separate tensors to them as shards.
+Every projection comes from ``make_linear``, so how its weights are stored (float,
+int8, AWQ, ...) is the quantizer's business; embeddings and lm_head stay float.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from modserve.core.interfaces import AttentionBackend, AttentionMetadata, CausalLM
+from modserve.core.linear import Linear, LinearFactory, linear_factory
 
 
 class RMSNorm(nn.Module):
@@ -83,7 +86,7 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 class Attention(nn.Module):
-    def __init__(self, config: Any, backend: AttentionBackend) -> None:
+    def __init__(self, config: Any, backend: AttentionBackend, make_linear: LinearFactory) -> None:
         super().__init__()
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
@@ -91,8 +94,9 @@ class Attention(nn.Module):
         bias = bool(getattr(config, "attention_bias", False)) or config.model_type == "qwen2"
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=bias)
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=bool(getattr(config, "attention_bias", False)))
+        self.qkv_proj = make_linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=bias,
+                                    shard_sizes=(self.q_size, self.kv_size, self.kv_size))
+        self.o_proj = make_linear(self.q_size, config.hidden_size, bias=bool(getattr(config, "attention_bias", False)))
         self.backend = backend
 
     def forward(
@@ -110,11 +114,12 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, config: Any) -> None:
+    def __init__(self, config: Any, make_linear: LinearFactory) -> None:
         super().__init__()
         self.intermediate = config.intermediate_size
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * self.intermediate, bias=False)
-        self.down_proj = nn.Linear(self.intermediate, config.hidden_size, bias=False)
+        self.gate_up_proj = make_linear(config.hidden_size, 2 * self.intermediate,
+                                        shard_sizes=(self.intermediate, self.intermediate))
+        self.down_proj = make_linear(self.intermediate, config.hidden_size)
         if getattr(config, "hidden_act", "silu") != "silu":
             raise ValueError(f"hidden_act {config.hidden_act!r} is not supported (supported: silu)")
 
@@ -124,10 +129,10 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: Any, backend: AttentionBackend) -> None:
+    def __init__(self, config: Any, backend: AttentionBackend, make_linear: LinearFactory) -> None:
         super().__init__()
-        self.self_attn = Attention(config, backend)
-        self.mlp = MLP(config)
+        self.self_attn = Attention(config, backend, make_linear)
+        self.mlp = MLP(config, make_linear)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -137,17 +142,20 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(CausalLM):
-    # checkpoint name fragment -> (our fused parameter, shard index)
+    # checkpoint module name -> (our fused linear, shard index)
     STACKED = {
         "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
         "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
     }
 
-    def __init__(self, config: Any, backend: AttentionBackend, max_positions: int) -> None:
+    def __init__(self, config: Any, backend: AttentionBackend, max_positions: int,
+                 make_linear: LinearFactory | None = None) -> None:
         super().__init__()
+        make_linear = make_linear or linear_factory(None, torch.get_default_dtype(), torch.device("cpu"))
         self.config = config
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, backend) for _ in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(DecoderLayer(config, backend, make_linear)
+                                    for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.tie = bool(getattr(config, "tie_word_embeddings", False))
         self.lm_head = None if self.tie else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
@@ -165,37 +173,30 @@ class LlamaForCausalLM(CausalLM):
         return F.linear(hidden, weight).float()  # [N, vocab]
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        params = dict(self.named_parameters())
+        """Tensors of a linear go to it (``layers.0.self_attn.q_proj.qweight`` -> shard 0 of
+        ``qkv_proj``, as ``qweight``); the core checks the linears are complete."""
+        linears = {name: m for name, m in self.named_modules() if isinstance(m, Linear)}
+        params = {name: p for name, p in self.named_parameters() if name.rpartition(".")[0] not in linears}
         loaded: set[str] = set()
         for name, tensor in weights:
             name = name.removeprefix("model.")
             if "rotary_emb" in name or (self.tie and name.startswith("lm_head.")):
                 continue
-            fused = next((frag for frag in self.STACKED if f".{frag}." in name), None)
-            if fused is None:
-                param = params.get(name)
-                if param is None:
-                    raise ValueError(f"checkpoint tensor {name!r} has no place in {type(self).__name__}")
-                _copy(param, tensor, name)
-                loaded.add(name)
+            module, _, leaf = name.rpartition(".")
+            parent, _, child = module.rpartition(".")
+            target, shard = self.STACKED.get(child, (child, 0))
+            linear = linears.get(f"{parent}.{target}")
+            if linear is not None:
+                linear.load(leaf, tensor, shard)
                 continue
-            target, shard = self.STACKED[fused]
-            pname = name.replace(fused, target)
-            param = params[pname]
-            sizes = self._shard_sizes(pname)
-            start = sum(sizes[:shard])
-            _copy(param.data.narrow(0, start, sizes[shard]), tensor, name)
-            loaded.add(pname)
+            param = params.get(name)
+            if param is None:
+                raise ValueError(f"checkpoint tensor {name!r} has no place in {type(self).__name__}")
+            _copy(param, tensor, name)
+            loaded.add(name)
         missing = set(params) - loaded
         if missing:
             raise ValueError(f"checkpoint is missing tensors for: {sorted(missing)[:8]}")
-
-    def _shard_sizes(self, pname: str) -> list[int]:
-        layer = self.layers[0]
-        if "qkv_proj" in pname:
-            a = layer.self_attn
-            return [a.q_size, a.kv_size, a.kv_size]
-        return [layer.mlp.intermediate, layer.mlp.intermediate]
 
 
 def _copy(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:
