@@ -141,7 +141,7 @@ def test_xgrammar_never_allows_a_lone_surrogate_or_json_control_bytes():
     vocab = GrammarVocab(tuple(token_b), (EOS,), "bytes")
     be = XGrammarBackend(vocab)
     tid = {b: i for i, b in enumerate(token_b) if b}
-    for spec in (StructuredOutputs(json={"type": "string"}).spec(), GrammarSpec("regex", "x.*")):
+    for spec in (StructuredOutputs(json={"type": "string"}).spec(), GrammarSpec("regex", r"x(.|\n)*")):
         m = be.matcher(be.compile(spec), 8)
         first = '"' if spec.kind == "json" else "x"
         assert m.accept_token(tid[first.encode()])
@@ -234,6 +234,7 @@ def test_compiles_run_off_the_calling_thread(llama_dir):
 PROBES = [
     ("minimum", {"type": "integer", "minimum": 0, "maximum": 99}, "500"),
     ("exclusiveMinimum", {"type": "number", "exclusiveMinimum": 5}, "5"),
+    ("minimum 0", {"type": "integer", "minimum": 0}, "-3"),
     ("multipleOf", {"type": "integer", "multipleOf": 3}, "4"),
     ("minLength", {"type": "string", "minLength": 3}, '"a"'),
     ("maxLength", {"type": "string", "maxLength": 2}, '"abc"'),
@@ -283,3 +284,42 @@ def test_schema_keywords_are_enforced_or_refused(byte_backends, backend, keyword
     m = b.matcher(compiled, 8)
     accepted = all(m.accept_token(3 + byte) for byte in invalid.encode()) and m.accept_token(EOS)
     assert not accepted, f"{backend} accepts {invalid} although the schema forbids it ({keyword})"
+
+
+SIBLING_PROBES = [
+    ("anyOf beside type", {"type": "object", "anyOf": [{"required": ["a"]}, {"required": ["b"]}]}, "1"),
+    ("anyOf beside properties", {"type": "object", "properties": {"a": {"type": "integer"}},
+                                 "anyOf": [{"required": ["a"]}, {"required": ["b"]}]}, '{"a": "x"}'),
+    ("$ref beside minimum", {"$defs": {"x": {"type": "integer"}}, "$ref": "#/$defs/x", "minimum": 5}, "1"),
+    ("enum beside type", {"type": "string", "enum": ["a", 1]}, "1"),
+]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("keyword, schema, invalid", SIBLING_PROBES, ids=[p[0] for p in SIBLING_PROBES])
+def test_keywords_beside_a_combinator_are_enforced_or_refused(byte_backends, backend, keyword, schema, invalid):
+    test_schema_keywords_are_enforced_or_refused(byte_backends, backend, keyword, schema, invalid)
+
+
+def test_redundant_siblings_are_fine(byte_backends):
+    ok = [{"type": "string", "enum": ["a", "b"]},
+          {"type": "object", "anyOf": [{"type": "object", "required": ["a"]}, {"type": "object"}]},
+          {"$schema": "http://json-schema.org/draft-07/schema#", "$defs": {"x": {"type": "integer"}},
+           "$ref": "#/$defs/x", "minimum": 5}]  # draft 7: validators ignore $ref's siblings too
+    for schema in ok:
+        byte_backends["xgrammar"].compile(StructuredOutputs(json=schema).spec())
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_regex_dot_does_not_match_a_newline(byte_backends, backend):
+    b = byte_backends[backend]  # as in Python and ECMAScript; xgrammar's own "." would
+    for text, ok in (("x-y", True), ("x\ny", False)):
+        m = b.matcher(b.compile(GrammarSpec("regex", "x.y")), 8)
+        assert (all(m.accept_token(3 + c) for c in text.encode()) and m.accept_token(EOS)) == ok
+
+
+def test_gbnf_empty_alternative():
+    from modserve.plugins.grammars.dialect import fill_empty_alternatives
+
+    assert fill_empty_alternatives('ws ::= | " " # a | b\nx ::= ("a" | ) "|" [|(]') == \
+        'ws ::= "" | " " # a | b\nx ::= ("a" | "" ) "|" [|(]'

@@ -32,6 +32,9 @@ class OutlinesOptions(BaseModel):
     whitespace_pattern: str = Field(
         r"[ ]?", description="JSON: regex for the whitespace allowed between tokens (bounded by default)")
     max_recursion_depth: int = Field(3, ge=0, description="JSON: how deep recursive schemas ($ref) unroll")
+    refuse_unenforced: bool = Field(
+        True, description="JSON: refuse schemas using keywords the library would not enforce (see "
+        "docs/guided-decoding.md); off compiles them anyway, and outputs may then fail validation")
 
 
 class OutlinesBackend(GrammarBackend):
@@ -65,7 +68,7 @@ class OutlinesBackend(GrammarBackend):
             return spec.value
         if spec.kind == "choice":
             return "(" + "|".join(regex_literal(c) for c in spec.value) + ")"
-        skipped = unenforced(json.loads(spec.value), SKIPPED_KEYWORDS)
+        skipped = self.options.refuse_unenforced and unenforced(json.loads(spec.value), SKIPPED_KEYWORDS)
         if skipped:
             raise ValueError(f"outlines-core does not enforce {skipped}")
         try:

@@ -21,7 +21,19 @@ _MAP = ("properties", "patternProperties", "$defs", "definitions", "dependentSch
 _LIST = ("allOf", "anyOf", "oneOf", "prefixItems", "items")
 
 # Values that constrain nothing, so the keyword may stay even where it is not enforced.
-_NO_OP = (False, None, {}, [], 0)
+_NO_OP = {"uniqueItems": False, "minProperties": 0, "minItems": 0, "minLength": 0, "dependencies": {},
+          "dependentRequired": {}, "dependentSchemas": {}, "patternProperties": {}}
+# Keywords that constrain an instance; anything else (title, description, unknown names) is annotation.
+ASSERTIONS = frozenset({
+    "type", "enum", "const", "multipleOf", "maximum", "exclusiveMaximum", "minimum", "exclusiveMinimum",
+    "maxLength", "minLength", "pattern", "format", "items", "prefixItems", "additionalItems", "contains",
+    "maxItems", "minItems", "uniqueItems", "maxContains", "minContains", "properties", "patternProperties",
+    "additionalProperties", "propertyNames", "required", "maxProperties", "minProperties", "dependentRequired",
+    "dependentSchemas", "dependencies", "allOf", "anyOf", "oneOf", "not", "if", "then", "else", "$ref",
+    "unevaluatedProperties", "unevaluatedItems"})
+# Both libraries build these from their own value alone, dropping every other keyword beside them.
+ALONE = ("anyOf", "oneOf", "allOf", "$ref", "enum", "const")
+_OLD_DRAFTS = ("draft-03", "draft-04", "draft-06", "draft-07")  # there, validators ignore $ref's siblings too
 
 
 def unenforced(schema: Any, keywords: frozenset[str], formats: frozenset[str] = frozenset(),
@@ -34,7 +46,11 @@ def unenforced(schema: Any, keywords: frozenset[str], formats: frozenset[str] = 
     ``pairs`` keywords it drops the second of when both are present, and
     ``pointer_refs_only`` says a ``$ref`` other than ``#`` or ``#/...`` is skipped.
     """
+    old_draft = isinstance(schema, dict) and any(d in str(schema.get("$schema", "")) for d in _OLD_DRAFTS)
     for path, node in _schemas(schema, "#"):
+        dropped = _dropped_siblings(node, schema, old_draft)
+        if dropped:
+            return dropped + f" at {path}"
         for first, second in pairs:
             if first in node and second in node:
                 return f"{second!r} together with {first!r} at {path}"
@@ -44,7 +60,7 @@ def unenforced(schema: Any, keywords: frozenset[str], formats: frozenset[str] = 
         for key, value in node.items():
             if key == "format" and value in formats:
                 return f"format {value!r} at {path}"
-            if key not in keywords or value in _NO_OP:
+            if key not in keywords or (key in _NO_OP and value == _NO_OP[key] and type(value) is type(_NO_OP[key])):
                 continue
             if key == "oneOf" and _disjoint(value, schema):
                 continue
@@ -52,6 +68,35 @@ def unenforced(schema: Any, keywords: frozenset[str], formats: frozenset[str] = 
                 continue
             return f"{key!r} at {path}"
     return None
+
+
+def _dropped_siblings(node: dict, root: Any, old_draft: bool) -> str | None:
+    """Keywords beside one of ALONE that the backend would drop, unless they add nothing."""
+    if old_draft and "$ref" in node:
+        return None  # draft 7 and older: validators ignore $ref's siblings as well
+    for key in ALONE:
+        if key not in node:
+            continue
+        others = [k for k in node if k in ASSERTIONS and k != key]
+        if not others or (others == ["type"] and _type_is_redundant(node, key, root)):
+            continue
+        return f"{others} beside {key!r} (only {key!r} would count)"
+    return None
+
+
+def _type_is_redundant(node: dict, key: str, root: Any) -> bool:
+    """``type`` next to ``key``, when every alternative ``key`` allows has one of those types."""
+    allowed = _types({"type": node["type"]})
+    if key == "const":
+        branches = [{"const": node["const"]}]
+    elif key == "enum":
+        branches = [{"const": v} for v in node["enum"]] if isinstance(node["enum"], list) else []
+    elif key == "$ref":
+        branches = [_resolve(node, root)]
+    else:
+        branches = [_resolve(b, root) for b in node[key]] if isinstance(node[key], list) else []
+    kinds = [_types(b) for b in branches]
+    return bool(branches) and allowed is not None and all(k is not None and k <= allowed for k in kinds)
 
 
 def _schemas(node: Any, path: str) -> Iterator[tuple[str, dict]]:

@@ -13,7 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from modserve.core.interfaces import GrammarBackend, GrammarMatcher, GrammarVocab
 from modserve.core.structured_outputs import GrammarSpec
 from modserve.plugins.grammars.byte_guard import ByteGuard
-from modserve.plugins.grammars.gbnf import fill_empty_alternatives
+from modserve.plugins.grammars.dialect import dot_excludes_newline, fill_empty_alternatives
 from modserve.plugins.grammars.schema_gate import unenforced
 
 # xgrammar's C++ errors start with "[hh:mm:ss] /path/file.cc:123: ".
@@ -34,6 +34,9 @@ class XGrammarOptions(BaseModel):
     strict_mode: bool = Field(
         True, description="JSON: no properties or items beyond those the schema names, unless it allows them")
     max_threads: int = Field(2, ge=1, description="threads xgrammar uses to compile one grammar")
+    refuse_unenforced: bool = Field(
+        True, description="JSON: refuse schemas using keywords the library would not enforce (see "
+        "docs/guided-decoding.md); off compiles them anyway, and outputs may then fail validation")
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,7 +63,7 @@ class XGrammarBackend(GrammarBackend):
         self.json_guard = ByteGuard(vocab, json=True)
 
     def compile(self, spec: GrammarSpec) -> _Compiled:
-        if spec.kind == "json":
+        if spec.kind == "json" and self.options.refuse_unenforced:
             skipped = unenforced(json.loads(spec.value), SKIPPED_KEYWORDS, SKIPPED_FORMATS, SKIPPED_PAIRS,
                                  pointer_refs_only=True)
             if skipped:
@@ -78,7 +81,7 @@ class XGrammarBackend(GrammarBackend):
             return c.compile_json_schema(schema, any_whitespace=opts.any_whitespace, strict_mode=opts.strict_mode,
                                          max_whitespace_cnt=opts.max_whitespace_cnt if opts.any_whitespace else None)
         if spec.kind == "regex":
-            return c.compile_regex(spec.value)
+            return c.compile_regex(dot_excludes_newline(spec.value))
         if spec.kind == "choice":
             return c.compile_grammar("root ::= " + " | ".join(ebnf_literal(s) for s in spec.value))
         if "::=" in spec.value:

@@ -1,0 +1,78 @@
+"""Where xgrammar reads a spec differently from what users write, rewritten to mean the same.
+
+- GBNF allows an empty alternative (``ws ::= | " "``, as llama.cpp's own json.gbnf
+  writes it); xgrammar's parser wants the empty string spelled out (``ws ::= "" | " "``).
+- A regex ``.`` in xgrammar matches any character, newline included; in Python,
+  Rust (outlines-core) and ECMAScript it does not. It becomes ``[^\n]``.
+"""
+
+from __future__ import annotations
+
+
+def fill_empty_alternatives(ebnf: str) -> str:
+    """Insert ``""`` wherever an alternative is empty: after ``::=``, ``|`` or ``(``
+    and before ``|`` or ``)``. String literals, character classes and comments are
+    copied untouched."""
+    out: list[str] = []
+    i, n = 0, len(ebnf)
+    empty = False  # nothing yet since the last '::=', '|' or '('
+    while i < n:
+        c = ebnf[i]
+        if c in '"[':
+            close = '"' if c == '"' else "]"
+            j = i + 1
+            while j < n and ebnf[j] != close:
+                j += 2 if ebnf[j] == "\\" else 1
+            out.append(ebnf[i: j + 1])
+            i, empty = j + 1, False
+            continue
+        if c == "#":
+            j = ebnf.find("\n", i)
+            j = n if j < 0 else j
+            out.append(ebnf[i:j])
+            i = j
+            continue
+        if ebnf.startswith("::=", i):
+            out.append("::=")
+            i, empty = i + 3, True
+            continue
+        if c in "|)" and empty:
+            out.append('"" ')
+        if c in "|(":
+            empty = True
+        elif not c.isspace():
+            empty = False
+        out.append(c)
+        i += 1
+    return "".join(out)
+
+
+def dot_excludes_newline(regex: str) -> str:
+    """Every unescaped ``.`` outside a character class becomes ``[^\\n]``."""
+    out: list[str] = []
+    i, n = 0, len(regex)
+    in_class = False
+    while i < n:
+        c = regex[i]
+        if c == "\\":
+            out.append(regex[i: i + 2])
+            i += 2
+            continue
+        if in_class:
+            if c == "]":
+                in_class = False
+        elif c == "[":
+            in_class = True
+            # A "]" first in the class (after an optional "^") is a literal.
+            j = i + 1 + (regex[i + 1: i + 2] == "^")
+            if regex[j: j + 1] == "]":
+                out.append(regex[i: j + 1])
+                i = j + 1
+                continue
+        elif c == ".":
+            out.append("[^\\n]")
+            i += 1
+            continue
+        out.append(c)
+        i += 1
+    return "".join(out)
