@@ -32,6 +32,14 @@ class PluginChoice(BaseModel):
         return {"name": value} if isinstance(value, str) else value
 
 
+class SpeculativeConfig(BaseModel):
+    """Speculative decoding: a proposer plugin drafts, the target verifies in one pass."""
+
+    model_config = ConfigDict(extra="forbid")
+    proposer: PluginChoice = Field(description="Proposer plugin: ngram, draft_model, ...")
+    num_speculative_tokens: int = Field(4, gt=0, le=16, description="Draft tokens per step (k)")
+
+
 class EngineConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
@@ -68,6 +76,7 @@ class EngineConfig(BaseModel):
         PluginChoice(name="auto"), description="Structured outputs: a grammar backend plugin, or auto "
         "(the first registered backend that compiles the spec: xgrammar, then outlines, then others)")
     grammar_cache_size: int = Field(256, gt=0, description="Compiled grammars kept (LRU), per engine")
+    speculative: SpeculativeConfig | None = Field(None, description="Speculative decoding; off when unset")
 
     @field_validator("model")
     @classmethod

@@ -13,13 +13,13 @@ import torch
 
 from modserve.core.config import EngineConfig
 from modserve.core.grammar import CompiledGrammar, GrammarCompiler, wait_any
-from modserve.core.interfaces import SamplerOutput, SchedulerLimits
+from modserve.core.interfaces import ProposerContext, SamplerOutput, SchedulerLimits
 from modserve.core.loader import load_hf_config
 from modserve.core.model_runner import ModelRunner
 from modserve.core.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from modserve.core.registry import Registry, get_registry
 from modserve.core.sampling_params import SamplingParams
-from modserve.core.scheduler import SchedulerCore, SwapSpace
+from modserve.core.scheduler import ScheduledStep, SchedulerCore, SwapSpace
 from modserve.core.sequence import Sequence, SequenceStatus
 from modserve.core.tokenizer import Tokenizer
 
@@ -71,6 +71,13 @@ class LLMEngine:
         self.grammar = GrammarCompiler(registry, config.grammar_backend, config.tokenizer or config.model,
                                        self.runner.vocab_size, self.eos_token_ids, config.grammar_cache_size)
         self.compiling: dict[str, Future] = {}  # request id -> its grammar, still compiling
+        self.proposer = None
+        if config.speculative is not None:
+            context = ProposerContext(config, registry, self.runner.device, self.dtype, self.num_blocks,
+                                      config.block_size, self.max_model_len, self.runner.vocab_size,
+                                      self.runner.sampler)
+            self.proposer = registry.create("proposer", config.speculative.proposer, context)
+        self.spec_counters = {"spec_proposed_tokens": 0, "spec_accepted_tokens": 0, "spec_verifications": 0}
 
     # -- KV sizing ----------------------------------------------------------------
     def _num_kv_blocks(self) -> int:
@@ -159,7 +166,7 @@ class LLMEngine:
         self.compiling.pop(request_id, None)
         for seq in req.seqs:
             if not seq.is_finished:
-                self.scheduler.remove(seq)
+                self._remove(seq)
                 seq.finish_reason = "abort"
         return self._output(req)
 
@@ -207,15 +214,29 @@ class LLMEngine:
     def _step(self) -> list[RequestOutput]:
         if not self.scheduler.has_work():
             return []
+        if self.proposer is not None:
+            for seq in self.scheduler.running:
+                seq.num_lookahead = self._lookahead(seq)
         scheduled = self.scheduler.step()
+        if self.proposer is not None:
+            for seq in scheduled.preempted:
+                seq.num_lookahead = 0
+                self.proposer.forget(seq)
+            self._propose(scheduled)
         if not scheduled.seqs:
             return []
         self.runner.move_blocks(scheduled.copies, scheduled.swap_out, scheduled.swap_in)
         if scheduled.host_blocks_done:
             self.scheduler.swap_space.give_back(scheduled.host_blocks_done)
-        sampled, out = self.runner.execute(scheduled.seqs, scheduled.num_new_tokens)
+        step = self.runner.execute(scheduled.seqs, scheduled.num_new_tokens)
+        # KV stays valid for a speculating sequence's real token and its accepted drafts only.
+        rejected = {id(s): len(s.spec_tokens) + 1 - len(t) for s, t in zip(step.spec_seqs, step.spec_tokens)}
         for seq, n in zip(scheduled.seqs, scheduled.num_new_tokens):
-            seq.num_computed_tokens += n
+            seq.num_computed_tokens += n - rejected.get(id(seq), 0)
+            if seq.spec_tokens:
+                self.allocator.trim(seq, seq.num_computed_tokens)  # the rejected slots go back at once
+                seq.spec_tokens, seq.spec_probs = [], None
+            seq.num_lookahead = 0
             self.allocator.mark_computed(seq)
             if seq.pending_forks and seq.num_computed_tokens == seq.num_tokens:
                 for child in seq.pending_forks:
@@ -225,17 +246,29 @@ class LLMEngine:
                 seq.pending_forks = []
         self.counters["computed_tokens"] += scheduled.num_tokens
         self.counters["steps"] += 1
-        if out is None:
-            return []
         now = time.perf_counter()
+        # (sequence, its new tokens, the sampler output holding their logprobs, first row there)
+        emitted = []
+        if step.samples is not None:
+            emitted = [(s, [t], step.samples, row)
+                       for row, (s, t) in enumerate(zip(step.sampled, step.samples.token_ids.tolist()))]
+        row = 0
+        for seq, tokens in zip(step.spec_seqs, step.spec_tokens):
+            emitted.append((seq, tokens, step.spec_samples, row))
+            row += len(tokens)
+            self.spec_counters["spec_verifications"] += 1
+            self.spec_counters["spec_accepted_tokens"] += len(tokens) - 1
         touched: dict[str, Request] = {}
-        for row, (seq, token) in enumerate(zip(sampled, out.token_ids.tolist())):
+        for seq, tokens, out, first_row in emitted:
             req = self.requests[seq.request_id]
-            self._append_token(req, seq, token, now, out, row)
             touched[req.request_id] = req
+            for i, token in enumerate(tokens):
+                if seq.finish_reason is not None:
+                    break  # a stop string, EOS or max_tokens drops the tokens after it
+                self._append_token(req, seq, token, now, out, first_row + i)
+                self.counters["generation_tokens"] += 1
             if seq.finish_reason is not None:
-                self.scheduler.remove(seq)
-        self.counters["generation_tokens"] += len(sampled)
+                self._remove(seq)
         outputs = []
         for req in touched.values():
             if req.finished:
@@ -243,6 +276,38 @@ class LLMEngine:
                 del self.requests[req.request_id]
             outputs.append(self._output(req))
         return outputs
+
+    def _remove(self, seq: Sequence) -> None:
+        self.scheduler.remove(seq)
+        if self.proposer is not None:
+            self.proposer.forget(seq)
+
+    def _lookahead(self, seq: Sequence) -> int:
+        """Draft slots a running sequence may speculate into this step (0: it won't)."""
+        p = seq.params
+        if (seq.num_computed_tokens != seq.num_tokens - 1 or seq.pending_forks or seq.grammar is not None
+                or p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty
+                or seq.num_output_tokens < p.min_tokens):
+            # NOTE: penalties and min_tokens depend on the tokens before each draft
+            # position; such requests decode one token at a time rather than approximately.
+            return 0
+        room = min(self.requests[seq.request_id].max_tokens - seq.num_output_tokens,
+                   self.max_model_len - seq.num_tokens) - 1
+        return max(0, min(self.config.speculative.num_speculative_tokens, room))
+
+    def _propose(self, scheduled: ScheduledStep) -> None:
+        """Fill the draft slots the schedule granted; shrink them to what was proposed."""
+        granted = [(i, s, n - 1) for i, (s, n) in enumerate(zip(scheduled.seqs, scheduled.num_new_tokens))
+                   if n > s.num_tokens - s.num_computed_tokens]
+        if not granted:
+            return
+        proposal = self.proposer.propose([s for _, s, _ in granted], [k for _, _, k in granted])
+        for j, (i, seq, k) in enumerate(granted):
+            seq.spec_tokens = list(proposal.token_ids[j][:k])
+            if proposal.probs is not None and seq.spec_tokens:
+                seq.spec_probs = proposal.probs[j, : len(seq.spec_tokens)]
+            scheduled.num_new_tokens[i] = 1 + len(seq.spec_tokens)
+            self.spec_counters["spec_proposed_tokens"] += len(seq.spec_tokens)
 
     def _append_token(self, req: Request, seq: Sequence, token: int, now: float,
                       out: SamplerOutput, row: int) -> None:
@@ -309,6 +374,7 @@ class LLMEngine:
             "blocks_swapped_out": self.scheduler.blocks_swapped["out"],
             "blocks_swapped_in": self.scheduler.blocks_swapped["in"],
             **self.counters,
+            **self.spec_counters,
             **{f"allocator_{k}": v for k, v in self.allocator.stats().items()},
             "weight_bytes": self.runner.weight_bytes,  # as allocated, quantized or not
             "kv_cache_bytes": sum(c.numel() * c.element_size() for c in self.runner.kv_caches),

@@ -281,7 +281,6 @@ class SamplingBatch:
     allowed_token_bitmask: torch.Tensor | None = None
 
 
-
 @dataclass(slots=True)
 class SamplerOutput:
     token_ids: torch.Tensor  # [B] int64
@@ -528,10 +527,11 @@ class Proposal:
 class Proposer(ABC):
     """Proposes draft tokens for speculative decoding.
 
-    Contract: ``propose(seqs, k)`` is called once per step for sequences about to
-    decode, after their KV blocks for ``1 + k`` new tokens were allocated; it returns
-    at most ``k`` tokens per sequence (fewer, or none, is fine). A proposer with a KV
-    cache of its own writes it only at slots of those blocks. ``forget(seq)`` is
+    Contract: ``propose(seqs, num_tokens)`` is called once per step for sequences about
+    to decode, after each one's KV blocks for ``1 + num_tokens[i]`` new tokens were
+    allocated; it returns at most ``num_tokens[i]`` tokens for sequence ``i`` (fewer, or
+    none, is fine). A proposer with a KV cache of its own writes it only at slots of
+    those blocks. ``forget(seq)`` is
     called when a sequence finishes, is aborted or preempted.
     """
 
@@ -540,7 +540,7 @@ class Proposer(ABC):
         self.options = options
 
     @abstractmethod
-    def propose(self, seqs: list[Sequence], k: int) -> Proposal: ...
+    def propose(self, seqs: list[Sequence], num_tokens: list[int]) -> Proposal: ...
 
     def forget(self, seq: Sequence) -> None:
         """Drop any per-sequence state."""

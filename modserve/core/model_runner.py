@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import itertools
 import logging
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -17,8 +19,18 @@ from modserve.core.loader import iter_weights
 from modserve.core.quantization import kv_cache_dtype, select_quantizer
 from modserve.core.registry import Registry
 from modserve.core.sequence import Sequence
+from modserve.core.speculative import verify
 
 logger = logging.getLogger("modserve")
+
+
+@dataclass(slots=True)
+class StepOutput:
+    sampled: list[Sequence] = field(default_factory=list)  # one new token each
+    samples: SamplerOutput | None = None
+    spec_seqs: list[Sequence] = field(default_factory=list)  # several new tokens each
+    spec_tokens: list[list[int]] = field(default_factory=list)  # accepted drafts + one more
+    spec_samples: SamplerOutput | None = None  # one row per emitted spec token, in order
 
 
 class ModelRunner:
@@ -118,31 +130,74 @@ class ModelRunner:
 
     # -- one step -------------------------------------------------------------------
     @torch.inference_mode()
-    def execute(self, seqs: list[Sequence], num_new_tokens: list[int]) -> tuple[list[Sequence], SamplerOutput | None]:
-        """Run the model on each sequence's next ``num_new_tokens`` tokens; sample for the
-        sequences whose last token this step reaches. Returns (sampled sequences, samples)."""
-        input_ids, meta, logits_rows, sampled = self._prepare(seqs, num_new_tokens)
+    def execute(self, seqs: list[Sequence], num_new_tokens: list[int]) -> StepOutput:
+        """Run the model on each sequence's next ``num_new_tokens`` tokens (its draft
+        tokens last, if it has any); sample for the sequences whose last token this step
+        reaches, and verify the drafts of those that speculate."""
+        input_ids, meta, rows, sampled, spec, spec_rows = self._prepare(seqs, num_new_tokens)
         state = self.attn.prepare(meta)
         hidden = self.model(input_ids, meta.positions, self.kv_caches, meta, state)  # [T, hidden]
-        if not sampled:
-            return [], None
-        logits = self.model.compute_logits(hidden[logits_rows])  # [S, vocab]
-        if any(s.pending_forks for s in sampled):
-            # n > 1: the prompt was computed once; every sample draws from its logits.
-            repeats = torch.tensor([1 + len(s.pending_forks) for s in sampled], device=logits.device)
-            logits = logits.repeat_interleave(repeats, dim=0)
-            sampled = [x for s in sampled for x in (s, *s.pending_forks)]
-        return sampled, self.sampler(logits, self._sampling_batch(sampled))
+        step = StepOutput()
+        if sampled:
+            logits = self.model.compute_logits(hidden[rows])  # [S, vocab]
+            if any(s.pending_forks for s in sampled):
+                # n > 1: the prompt was computed once; every sample draws from its logits.
+                repeats = torch.tensor([1 + len(s.pending_forks) for s in sampled], device=logits.device)
+                logits = logits.repeat_interleave(repeats, dim=0)
+                sampled = [x for s in sampled for x in (s, *s.pending_forks)]
+            step.sampled, step.samples = sampled, self.sampler(logits, self._sampling_batch(sampled))
+        if spec:
+            step.spec_seqs = spec
+            step.spec_tokens, step.spec_samples = self._verify(spec, self.model.compute_logits(hidden[spec_rows]))
+        return step
 
     def _prepare(self, seqs: list[Sequence], num_new_tokens: list[int]):
         ctx = [s.num_computed_tokens for s in seqs]
-        chunks = [s.token_ids[c : c + n] for s, c, n in zip(seqs, ctx, num_new_tokens)]
+        # A speculating sequence computes its last real token, then its drafts.
+        chunks = [s.token_ids[c : c + n - len(s.spec_tokens)] + s.spec_tokens
+                  for s, c, n in zip(seqs, ctx, num_new_tokens)]
         input_ids, meta = build_batch(chunks, ctx, [s.block_ids for s in seqs], self.block_size, self.device)
-        # Only sequences whose last token this step reaches get logits and a sample.
-        done = [c + n == s.num_tokens for s, c, n in zip(seqs, ctx, num_new_tokens)]
-        sampled = [s for s, d in zip(seqs, done) if d]
-        logits_rows = (meta.query_start_loc[1:] - 1)[torch.tensor(done, dtype=torch.bool, device=self.device)]
-        return input_ids, meta, logits_rows, sampled
+        ends = list(itertools.accumulate(num_new_tokens))
+        sampled, rows, spec, spec_rows = [], [], [], []
+        for s, c, n, end in zip(seqs, ctx, num_new_tokens, ends):
+            if s.spec_tokens:  # logits of the last real token and of every draft
+                spec.append(s)
+                spec_rows.extend(range(end - 1 - len(s.spec_tokens), end))
+            elif c + n == s.num_tokens:  # only a sequence whose last token is reached gets a sample
+                sampled.append(s)
+                rows.append(end - 1)
+        as_index = lambda r: torch.tensor(r, dtype=torch.int64, device=self.device)  # noqa: E731
+        return input_ids, meta, as_index(rows), sampled, spec, as_index(spec_rows)
+
+    def _verify(self, seqs: list[Sequence], logits: torch.Tensor) -> tuple[list[list[int]], SamplerOutput]:
+        """Rejection-sample each sequence's drafts against the target; logits [R, V] hold,
+        per sequence, the rows of its last real token and of each draft."""
+        counts = [1 + len(s.spec_tokens) for s in seqs]
+        K = max(counts) - 1
+        starts = [0, *itertools.accumulate(counts)][:-1]
+        # Each row's processed distribution, with its sequence's settings.
+        probs = self.sampler.probs(logits, self._sampling_batch([s for s, c in zip(seqs, counts) for _ in range(c)]))
+        pos = torch.tensor([[st + min(j, c - 1) for j in range(K + 1)] for st, c in zip(starts, counts)],
+                           device=self.device)  # [B, K+1] rows, the last repeated as padding
+        drafts = torch.tensor([s.spec_tokens + [0] * (K - len(s.spec_tokens)) for s in seqs], device=self.device)
+        q = None
+        if any(s.spec_probs is not None for s in seqs):
+            q = torch.zeros(len(seqs), K, probs.shape[1], device=self.device)  # [B, K, V]
+            for b, s in enumerate(seqs):
+                q[b, : len(s.spec_tokens)] = s.spec_probs if s.spec_probs is not None else \
+                    torch.nn.functional.one_hot(torch.tensor(s.spec_tokens, device=self.device), probs.shape[1])
+        batch = self._sampling_batch(seqs)
+        verified = verify(probs[pos], drafts, [c - 1 for c in counts], q, batch.temperature == 0, batch.generators)
+        # Per emitted token, the raw logprobs of the row it was drawn from.
+        emitted = [st + j for st, toks in zip(starts, verified.token_ids) for j in range(len(toks))]
+        out = SamplerOutput(token_ids=torch.tensor([t for toks in verified.token_ids for t in toks]))
+        if batch.max_num_logprobs >= 0:
+            raw = logits[emitted].float().log_softmax(dim=-1)  # [E, V]
+            out.logprobs = raw.gather(1, out.token_ids.unsqueeze(1).to(raw.device)).squeeze(1)
+            out.ranks = (raw > out.logprobs.unsqueeze(1)).sum(dim=-1) + 1
+            if batch.max_num_logprobs > 0:
+                out.top_logprobs, out.top_ids = raw.topk(min(batch.max_num_logprobs, raw.shape[-1]), dim=-1)
+        return verified.token_ids, out
 
     def _sampling_batch(self, seqs: list[Sequence]) -> SamplingBatch:
         params = [s.params for s in seqs]

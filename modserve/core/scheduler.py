@@ -169,7 +169,7 @@ class SchedulerCore(SchedulerView):
         for seq, n in schedule.tokens.items():
             if seq in preempt or not (seq in running or seq in waiting or seq in swapped):
                 raise refuse(f"sequence {seq.seq_id} is not running, waiting or swapped")
-            remaining = seq.num_tokens - seq.num_computed_tokens
+            remaining = seq.num_uncomputed
             if not isinstance(n, int) or not 1 <= n <= remaining:
                 raise refuse(f"sequence {seq.seq_id} gets {n!r} tokens, it has {remaining} to compute")
             total += n

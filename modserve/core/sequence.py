@@ -40,6 +40,11 @@ class Sequence:
     block_hashes: list[bytes] = field(default_factory=list)
     # Samples of the same request (n > 1) that fork from this one once its prompt is computed.
     pending_forks: list["Sequence"] = field(default_factory=list)
+    # Speculative decoding: extra slots the scheduler may grant beyond the real tokens,
+    # and the draft tokens verified this step (computed after the real ones).
+    num_lookahead: int = 0
+    spec_tokens: list[int] = field(default_factory=list)
+    spec_probs: Any = None  # [len(spec_tokens), V] draft distributions; None: drawn deterministically
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: str | None = None
     stop_reason: int | str | None = None
@@ -56,6 +61,11 @@ class Sequence:
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
+
+    @property
+    def num_uncomputed(self) -> int:
+        """Tokens a schedule may give this sequence now: its uncomputed ones plus lookahead."""
+        return len(self.token_ids) + self.num_lookahead - self.num_computed_tokens
 
     @property
     def num_output_tokens(self) -> int:

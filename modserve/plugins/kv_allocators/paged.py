@@ -100,6 +100,11 @@ class PagedAllocator(KVAllocator):
         seq.block_ids.clear()
         self.published.pop(seq.seq_id, None)
 
+    def trim(self, seq: Sequence, num_tokens: int) -> None:
+        keep = -(-num_tokens // self.block_size)
+        while len(seq.block_ids) > keep:
+            self._release(seq.block_ids.pop())
+
     def fork(self, parent: Sequence, child: Sequence) -> None:
         for block in parent.block_ids:
             self.ref_counts[block] += 1

@@ -26,8 +26,8 @@ class NgramProposer(Proposer):
         opts = options or NgramOptions()
         self.max_n, self.min_n = opts.max_ngram, opts.min_ngram
 
-    def propose(self, seqs: list[Sequence], k: int) -> Proposal:
-        return Proposal([self._lookup(np.asarray(s.token_ids, dtype=np.int64), k) for s in seqs])
+    def propose(self, seqs: list[Sequence], num_tokens: list[int]) -> Proposal:
+        return Proposal([self._lookup(np.asarray(s.token_ids, dtype=np.int64), k) for s, k in zip(seqs, num_tokens)])
 
     def _lookup(self, tokens: np.ndarray, k: int) -> list[int]:
         L = len(tokens)

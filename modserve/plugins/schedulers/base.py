@@ -25,7 +25,7 @@ def advance_running(view: SchedulerView, order: list[Sequence], out: Schedule, b
     i = 0
     while i < len(order) and budget.tokens > 0:
         seq = order[i]
-        remaining = seq.num_tokens - seq.num_computed_tokens
+        remaining = seq.num_uncomputed
         if not chunk and remaining > budget.tokens:
             i += 1
             continue
@@ -54,7 +54,7 @@ def admit(view: SchedulerView, candidates: Iterable[Sequence], out: Schedule, bu
     for seq in candidates:
         if budget.tokens <= 0 or budget.seqs <= 0:
             return
-        remaining = seq.num_tokens - seq.num_computed_tokens
+        remaining = seq.num_uncomputed
         if not chunk and remaining > budget.tokens:
             return
         n = min(remaining, budget.tokens)
