@@ -139,3 +139,18 @@ def test_sampled_output_follows_target_distribution(llama_dir, checkpoint_dir):
     chi2 = sum((counts[k] - e) ** 2 / e for k, e in expected.items())
     df = len(expected) - 1
     assert df >= 4 and chi2 < CHI2_001[df], (chi2, df, counts, expected)
+
+
+def test_guided_decoding_with_speculation(llama_dir):
+    """The grammar checks drafts and rolls back: same constrained greedy output as without."""
+    from modserve.core.structured_outputs import StructuredOutputs
+
+    regex = r"(ab|cd){3,12}[0-9]{2}"
+    params = SamplingParams(temperature=0, max_tokens=40, structured_outputs=StructuredOutputs(regex=regex))
+    prompt = ["abcdabcdabcdabcd ab cd ab cd"]
+    ref = make_llm(llama_dir).generate(prompt, params, use_tqdm=False)[0].outputs[0]
+    for backend in ("xgrammar", "outlines"):
+        llm = make_llm(llama_dir, NGRAM, grammar_backend=backend)
+        got = llm.generate(prompt, params, use_tqdm=False)[0].outputs[0]
+        assert (got.text, got.token_ids, got.finish_reason) == (ref.text, ref.token_ids, ref.finish_reason)
+        assert llm.engine.stats()["spec_proposed_tokens"] > 0, backend

@@ -285,7 +285,7 @@ class LLMEngine:
     def _lookahead(self, seq: Sequence) -> int:
         """Draft slots a running sequence may speculate into this step (0: it won't)."""
         p = seq.params
-        if (seq.num_computed_tokens != seq.num_tokens - 1 or seq.pending_forks or seq.grammar is not None
+        if (seq.num_computed_tokens != seq.num_tokens - 1 or seq.pending_forks
                 or p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty
                 or seq.num_output_tokens < p.min_tokens):
             # NOTE: penalties and min_tokens depend on the tokens before each draft
@@ -304,6 +304,8 @@ class LLMEngine:
         proposal = self.proposer.propose([s for _, s, _ in granted], [k for _, _, k in granted])
         for j, (i, seq, k) in enumerate(granted):
             seq.spec_tokens = list(proposal.token_ids[j][:k])
+            if seq.grammar is not None:
+                seq.spec_tokens = _grammar_prefix(seq.grammar, seq.spec_tokens)
             if proposal.probs is not None and seq.spec_tokens:
                 seq.spec_probs = proposal.probs[j, : len(seq.spec_tokens)]
             scheduled.num_new_tokens[i] = 1 + len(seq.spec_tokens)
@@ -379,6 +381,17 @@ class LLMEngine:
             "weight_bytes": self.runner.weight_bytes,  # as allocated, quantized or not
             "kv_cache_bytes": sum(c.numel() * c.element_size() for c in self.runner.kv_caches),
         }
+
+
+def _grammar_prefix(matcher: Any, drafts: list[int]) -> list[int]:
+    """The longest prefix of ``drafts`` the grammar accepts; the matcher ends as it began."""
+    accepted = 0
+    for token in drafts:
+        if matcher.is_terminated() or not matcher.accept_token(token):
+            break
+        accepted += 1
+    matcher.rollback(accepted)
+    return drafts[:accepted]
 
 
 def _check_stop_strings(seq: Sequence, delta_len: int) -> None:

@@ -176,7 +176,10 @@ class ModelRunner:
         K = max(counts) - 1
         starts = [0, *itertools.accumulate(counts)][:-1]
         # Each row's processed distribution, with its sequence's settings.
-        probs = self.sampler.probs(logits, self._sampling_batch([s for s, c in zip(seqs, counts) for _ in range(c)]))
+        rep = self._sampling_batch([s for s, c in zip(seqs, counts) for _ in range(c)])
+        if rep.allowed_token_bitmask is not None:
+            rep.allowed_token_bitmask = self._draft_bitmask(seqs, starts, sum(counts))
+        probs = self.sampler.probs(logits, rep)
         pos = torch.tensor([[st + min(j, c - 1) for j in range(K + 1)] for st, c in zip(starts, counts)],
                            device=self.device)  # [B, K+1] rows, the last repeated as padding
         drafts = torch.tensor([s.spec_tokens + [0] * (K - len(s.spec_tokens)) for s in seqs], device=self.device)
@@ -198,6 +201,22 @@ class ModelRunner:
             if batch.max_num_logprobs > 0:
                 out.top_logprobs, out.top_ids = raw.topk(min(batch.max_num_logprobs, raw.shape[-1]), dim=-1)
         return verified.token_ids, out
+
+    def _draft_bitmask(self, seqs: list[Sequence], starts: list[int], num_rows: int) -> torch.Tensor:
+        """Grammar masks for verification: the row of draft position j holds the grammar
+        state after the first j drafts (drafts were checked against it when proposed)."""
+        mask = torch.full((num_rows, (self.vocab_size + 31) // 32), -1, dtype=torch.int32)
+        for seq, start in zip(seqs, starts):
+            matcher = seq.grammar
+            if matcher is None:
+                continue
+            for j, token in enumerate([None, *seq.spec_tokens]):
+                if token is not None:
+                    matcher.accept_token(token)
+                if not matcher.is_terminated():  # past the end every token is dropped anyway
+                    matcher.fill_bitmask(mask, start + j)
+            matcher.rollback(len(seq.spec_tokens))
+        return mask.to(self.device, non_blocking=True)
 
     def _sampling_batch(self, seqs: list[Sequence]) -> SamplingBatch:
         params = [s.params for s in seqs]
