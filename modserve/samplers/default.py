@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from modserve.core.interfaces import Sampler, SamplerOutput, SamplingBatch
+from modserve.core.speculative import sample_rows  # the exponential race, shared with verification
 
 _NEG_INF = float("-inf")
 
@@ -80,21 +81,6 @@ def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     return logits.masked_fill(probs < threshold, _NEG_INF)
 
 
-def exponential_race(probs: torch.Tensor, generators: dict[int, torch.Generator]) -> torch.Tensor:
-    """Sample one token per row: argmax(probs / q), q ~ Exp(1), which is a draw from probs.
-
-    Seeded rows take q only from their own generator, so their tokens do not depend
-    on the batch around them; the rest share one batched draw from the global RNG.
-    """
-    B, V = probs.shape
-    q = torch.empty_like(probs).exponential_()  # [B, V]
-    for row, gen in generators.items():
-        q[row] = torch.empty(V, dtype=probs.dtype, device=probs.device).exponential_(generator=gen)
-    # exponential_ may return exactly 0; 0/0 = NaN would win argmax, so floor it.
-    q.clamp_(min=torch.finfo(q.dtype).tiny)
-    return (probs / q).argmax(dim=-1)  # [B]
-
-
 class DefaultSampler(Sampler):
     """Greedy, temperature, top-k, top-p, min-p and penalties, as in vLLM."""
 
@@ -106,7 +92,7 @@ class DefaultSampler(Sampler):
         if batch.all_greedy:
             token_ids = greedy
         else:
-            sampled = exponential_race(self._shape(logits, batch).softmax(dim=-1), batch.generators)  # [B]
+            sampled = sample_rows(self._shape(logits, batch).softmax(dim=-1), batch.generators)  # [B]
             token_ids = torch.where(batch.temperature == 0, greedy, sampled)
 
         out = SamplerOutput(token_ids=token_ids)
