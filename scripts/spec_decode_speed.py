@@ -23,17 +23,18 @@ PLAIN = "The history of the river valley begins with"
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--model", default=None, help="default: the 88M 'small' random-weight Llama")
+    ap.add_argument("--draft", default=None, help="default: the 'small' Llama cut to 2 layers")
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=3)
     a = ap.parse_args()
     model = a.model or str(cached_checkpoint("llama", "small"))
-    draft = str(cached_checkpoint("llama", "small", num_hidden_layers=2))
+    draft = a.draft or str(cached_checkpoint("llama", "small", num_hidden_layers=2))
     settings = {
         "no speculation": None,
         "ngram k=4": {"proposer": "ngram", "num_speculative_tokens": 4},
         "draft = target, k=4": {"proposer": {"name": "draft_model", "options": {"model": model}},
                                 "num_speculative_tokens": 4},
-        "draft = 2-layer model, k=4": {"proposer": {"name": "draft_model", "options": {"model": draft}},
+        "draft = smaller model, k=4": {"proposer": {"name": "draft_model", "options": {"model": draft}},
                                        "num_speculative_tokens": 4},
     }
     engines = {name: LLM(model, dtype="float32", num_kv_blocks=256, max_model_len=1024, speculative=spec,
