@@ -199,7 +199,8 @@ def test_cache_compiles_a_spec_once_and_is_lru(llama_dir):
 
 def test_auto_falls_through_and_says_why_each_backend_refused(llama_dir):
     gc = compiler(llama_dir, "auto")
-    assert gc.names[:2] == ["xgrammar", "outlines"]
+    assert gc.order("json")[:2] == ["xgrammar", "outlines"] and gc.order("regex")[:2] == ["outlines", "xgrammar"]
+    assert gc.compile(GrammarSpec("grammar", 'root ::= "a"'), timeout=60).backend_name == "xgrammar"
     with pytest.raises(ValueError) as e:
         gc.compile(GrammarSpec("regex", "a(?=b)"), timeout=60)
     msg = str(e.value)
@@ -292,6 +293,12 @@ SIBLING_PROBES = [
                                  "anyOf": [{"required": ["a"]}, {"required": ["b"]}]}, '{"a": "x"}'),
     ("$ref beside minimum", {"$defs": {"x": {"type": "integer"}}, "$ref": "#/$defs/x", "minimum": 5}, "1"),
     ("enum beside type", {"type": "string", "enum": ["a", 1]}, "1"),
+    ("object keywords beside type array", {"type": "array", "items": {"type": "number"}, "properties": {},
+                                           "additionalProperties": False}, "{}"),
+    ("allOf of objects", {"type": "object", "properties": {"v": {"allOf": [
+        {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]},
+        {"type": "object", "properties": {"b": {"type": "integer"}}, "required": ["b"]}]}}, "required": ["v"]},
+     '{"v": {"a": 1}{"b": 2}}'),
 ]
 
 

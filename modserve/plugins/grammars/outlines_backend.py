@@ -20,8 +20,9 @@ from modserve.plugins.grammars.bits import set_bit
 from modserve.plugins.grammars.schema_gate import unenforced
 
 _REGEX_META = set("\\.+*?()|[]{}^$")
-# Accepted by outlines-core 0.2 but not enforced (oneOf: when branches may overlap).
-SKIPPED_KEYWORDS = frozenset({"minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf",
+# Accepted by outlines-core 0.2 but not enforced (oneOf: when branches may overlap; allOf, which it
+# concatenates: with two or more branches).
+SKIPPED_KEYWORDS = frozenset({"allOf", "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf",
                               "uniqueItems", "contains", "minContains", "maxContains", "minProperties",
                               "maxProperties", "patternProperties", "propertyNames", "dependentRequired",
                               "dependencies", "dependentSchemas", "oneOf"})
@@ -61,21 +62,22 @@ class OutlinesBackend(GrammarBackend):
         try:
             return self.oc.Index(regex, self.vocabulary)
         except (ValueError, RuntimeError) as e:
-            raise ValueError(f"outlines-core could not compile the regex: {e}") from None
+            raise ValueError(f"could not compile the regex: {e}") from None
 
     def regex(self, spec: GrammarSpec) -> str:
         if spec.kind == "regex":
             return spec.value
         if spec.kind == "choice":
             return "(" + "|".join(regex_literal(c) for c in spec.value) + ")"
-        skipped = self.options.refuse_unenforced and unenforced(json.loads(spec.value), SKIPPED_KEYWORDS)
+        skipped = self.options.refuse_unenforced and unenforced(json.loads(spec.value), SKIPPED_KEYWORDS,
+                                                                type_from_keywords=True)
         if skipped:
-            raise ValueError(f"outlines-core does not enforce {skipped}")
+            raise ValueError(f"does not enforce {skipped}")
         try:
             return self.oc.json_schema.build_regex_from_schema(
                 spec.value, self.options.whitespace_pattern, self.options.max_recursion_depth)
         except (ValueError, TypeError, RuntimeError) as e:
-            raise ValueError(f"outlines-core: {e}") from None
+            raise ValueError(str(e)) from None
 
     def matcher(self, compiled: Any, max_rollback: int) -> GrammarMatcher:
         return OutlinesMatcher(self.oc.Guide(compiled, max_rollback=max_rollback), self.vocab.eos_token_ids)

@@ -34,17 +34,26 @@ ASSERTIONS = frozenset({
 # Both libraries build these from their own value alone, dropping every other keyword beside them.
 ALONE = ("anyOf", "oneOf", "allOf", "$ref", "enum", "const")
 _OLD_DRAFTS = ("draft-03", "draft-04", "draft-06", "draft-07")  # there, validators ignore $ref's siblings too
+# Keywords that only constrain instances of one type.
+_TYPE_KEYWORDS = {
+    "object": ("properties", "additionalProperties", "required", "patternProperties", "propertyNames",
+               "minProperties", "maxProperties"),
+    "array": ("items", "prefixItems", "additionalItems", "minItems", "maxItems", "contains", "uniqueItems"),
+}
 
 
 def unenforced(schema: Any, keywords: frozenset[str], formats: frozenset[str] = frozenset(),
-               pairs: frozenset[tuple[str, str]] = frozenset(), pointer_refs_only: bool = False) -> str | None:
+               pairs: frozenset[tuple[str, str]] = frozenset(), pointer_refs_only: bool = False,
+               type_from_keywords: bool = False) -> str | None:
     """The first constraint in ``schema`` its backend would skip, as "keyword at path"; None if none.
 
     ``keywords`` are skipped keywords; ``oneOf`` listed there is allowed when its
     branches provably never overlap (then any-of is one-of); ``allOf`` when it has a
     single branch. ``formats`` are ``format`` values the backend does not enforce,
     ``pairs`` keywords it drops the second of when both are present, and
-    ``pointer_refs_only`` says a ``$ref`` other than ``#`` or ``#/...`` is skipped.
+    ``pointer_refs_only`` says a ``$ref`` other than ``#`` or ``#/...`` is skipped, and
+    ``type_from_keywords`` that the backend picks an object or array type from the keywords
+    present (``properties``, ``items``) over what ``type`` says.
     """
     old_draft = isinstance(schema, dict) and any(d in str(schema.get("$schema", "")) for d in _OLD_DRAFTS)
     for path, node in _schemas(schema, "#"):
@@ -54,6 +63,8 @@ def unenforced(schema: Any, keywords: frozenset[str], formats: frozenset[str] = 
         for first, second in pairs:
             if first in node and second in node:
                 return f"{second!r} together with {first!r} at {path}"
+        if type_from_keywords and (clash := _type_clash(node)):
+            return clash + f" at {path}"
         ref = node.get("$ref")
         if pointer_refs_only and isinstance(ref, str) and ref != "#" and not ref.startswith("#/"):
             return f"$ref {ref!r} (only '#/...' pointers) at {path}"
@@ -81,6 +92,18 @@ def _dropped_siblings(node: dict, root: Any, old_draft: bool) -> str | None:
         if not others or (others == ["type"] and _type_is_redundant(node, key, root)):
             continue
         return f"{others} beside {key!r} (only {key!r} would count)"
+    return None
+
+
+def _type_clash(node: dict) -> str | None:
+    """Object or array keywords in a node whose ``type`` rules that type out."""
+    types = _types({"type": node["type"]}) if "type" in node else None
+    if types is None:
+        return None
+    for kind, words in _TYPE_KEYWORDS.items():
+        found = [w for w in words if w in node]
+        if kind not in types and found:
+            return f"{found} beside 'type': {node['type']!r} (they would decide the type)"
     return None
 
 

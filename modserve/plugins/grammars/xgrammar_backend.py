@@ -67,11 +67,11 @@ class XGrammarBackend(GrammarBackend):
             skipped = unenforced(json.loads(spec.value), SKIPPED_KEYWORDS, SKIPPED_FORMATS, SKIPPED_PAIRS,
                                  pointer_refs_only=True)
             if skipped:
-                raise ValueError(f"xgrammar does not enforce {skipped}")
+                raise ValueError(f"does not enforce {skipped}")
         try:
             grammar = self._compile(spec)
         except (RuntimeError, ValueError, TypeError) as e:
-            raise ValueError(f"xgrammar: {_CPP_PREFIX.sub('', str(e)).strip()}") from None
+            raise ValueError(_CPP_PREFIX.sub("", str(e)).strip()) from None
         return _Compiled(grammar, self.json_guard if spec.kind in ("json", "json_object") else self.text_guard)
 
     def _compile(self, spec: GrammarSpec) -> Any:
