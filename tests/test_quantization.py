@@ -206,6 +206,26 @@ def test_prefill_logits_near_the_float_model(method, float_dir, cache_root, floa
     assert max_abs < tol_abs and kl < tol_kl, f"{method}: max |diff| {max_abs:.4f}, KL {kl:.2e}"
 
 
+@pytest.mark.parametrize("method", list(METHODS))
+def test_the_quantized_model_is_the_float_model_with_dequantized_weights(method, float_dir, cache_root,
+                                                                          float_reference):
+    """All of the logit error is the weights' rounding: put each layer's dequantized weight
+    into the float model and the logits agree to float error."""
+    ids, _ = float_reference
+    quantized = make_llm(model_dir(method, float_dir, cache_root), METHODS[method][1])
+    patched = make_llm(float_dir)
+    q_linears = dict(quantized.engine.runner.model.named_modules())
+    with torch.no_grad():
+        for name, linear in patched.engine.runner.model.named_modules():
+            if isinstance(linear, Linear):
+                q = q_linears[name]
+                linear.weight.copy_(q.quantizer.dequantize(q))
+                if linear.bias is not None:
+                    linear.bias.copy_(q.bias)
+    max_abs, _ = logit_error(prefill_logits(quantized, ids), prefill_logits(patched, ids))
+    assert max_abs < 1e-4, f"{method}: {max_abs}"
+
+
 @pytest.mark.parametrize("method,kernel", [("int8", "int8pack"), ("awq", "int4pack"), ("gptq4", "int4pack"),
                                            ("gptq4-act-order", "int4pack"), ("fp8", "scaled_mm")])
 def test_kernels_agree_with_dequantize_then_matmul(method, kernel, float_dir, cache_root, float_reference):

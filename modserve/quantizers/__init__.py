@@ -15,7 +15,7 @@ def register_quantizers(register: Register) -> None:
              description="weight-only int8, per-output-channel symmetric scales, quantized at load")
     register("fp8", "modserve.quantizers.fp8:FP8Weights", options="modserve.quantizers.fp8:FP8Options",
              description="e4m3 weights, per-output-channel scales, quantized at load; fp8 matmul on "
-             "GPUs that have it (compute capability 8.9+)")
+             "GPUs that have it (compute capability 9.0+)")
     register("awq", "modserve.quantizers.awq:AWQ", options="modserve.quantizers.awq:AWQOptions",
              description="AutoAWQ checkpoints (4-bit GEMM packing, zero points, group scales)")
     register("gptq", "modserve.quantizers.gptq:GPTQ", options="modserve.quantizers.gptq:GPTQOptions",

@@ -2,9 +2,11 @@
 
     s[n] = max_k |W[n, k]| / 448        q = e4m3(W / s[:, None])        W ≈ q * s[:, None]
 
-Where the GPU has fp8 tensor cores (compute capability 8.9+: Ada, Hopper, Blackwell) the
-matmul runs in fp8 with ``torch._scaled_mm``: activations are quantized per token on the
-fly (``x ≈ e4m3(x / a[t]) * a[t]``) and both scales are applied to the fp32 accumulator.
+On GPUs whose fp8 tensor cores torch drives with row-wise scales (compute capability 9.0+:
+Hopper, Blackwell) the matmul runs in fp8 with ``torch._scaled_mm``: activations are
+quantized per token on the fly (``x ≈ e4m3(x / a[t]) * a[t]``) and both scales are applied
+to the fp32 accumulator. (Ada, 8.9, has fp8 tensor cores too, but torch's row-wise scaled
+fp8 GEMM was written for 9.0+; force ``kernel: scaled_mm`` to try it there.)
 Elsewhere the weight is dequantized to the activation dtype and multiplied as usual.
 """
 
@@ -26,7 +28,7 @@ from modserve.quantizers.packing import Workspace
 class FP8Options(BaseModel):
     model_config = ConfigDict(extra="forbid")
     # scaled_mm: fp8 x fp8 matmul (activations quantized per token); dequant: weights to float.
-    # auto: scaled_mm on CUDA devices of compute capability 8.9 or newer, dequant elsewhere.
+    # auto: scaled_mm on CUDA devices of compute capability 9.0 or newer, dequant elsewhere.
     kernel: Literal["auto", "scaled_mm", "dequant"] = "auto"
 
 
@@ -38,8 +40,8 @@ def quantize_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return to_fp8(w, scale[:, None]), scale
 
 
-def has_fp8_tensor_cores(device: torch.device) -> bool:
-    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
+def has_rowwise_fp8(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (9, 0)
 
 
 class FP8Weights(Quantizer):
@@ -60,13 +62,15 @@ class FP8Weights(Quantizer):
     def process_weights(self, layer: nn.Module) -> None:
         kernel = self.options.kernel
         if kernel == "auto":
-            kernel = "scaled_mm" if has_fp8_tensor_cores(layer.qweight.device) else "dequant"
+            kernel = "scaled_mm" if has_rowwise_fp8(layer.qweight.device) else "dequant"
         layer.kernel = kernel
 
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         if layer.kernel == "scaled_mm":
             return self._scaled_mm(layer, x)
-        return F.linear(x, self._dequantized(layer, x.dtype), layer.bias)
+        # x @ (q * s).T = (x @ q.T) * s: the scales go on the output, not on every weight
+        y = F.linear(x, self._unscaled(layer, x.dtype)).mul_(layer.scales.to(x.dtype))  # [T, N]
+        return y if layer.bias is None else y.add_(layer.bias)
 
     def _scaled_mm(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         t = x.shape[0]
@@ -81,12 +85,11 @@ class FP8Weights(Quantizer):
         y = y[:t].to(x.dtype)
         return y if layer.bias is None else y + layer.bias
 
-    def _dequantized(self, layer: nn.Module, dtype: torch.dtype) -> torch.Tensor:  # [N, K]
+    def _unscaled(self, layer: nn.Module, dtype: torch.dtype) -> torch.Tensor:  # [N, K], q as floats
         q = layer.qweight
         shape, dev = tuple(q.shape), q.device
         w = fp8_to_float(q, out=self.workspace.get("w", shape, torch.float32, dev),
                          index=self.workspace.get("index", shape, torch.int32, dev))
-        w.mul_(layer.scales[:, None])
         return w if dtype == torch.float32 else w.to(dtype)
 
     def dequantize(self, layer: nn.Module) -> torch.Tensor:

@@ -66,13 +66,11 @@ class Int8(Quantizer):
         if layer.kernel == "int8pack":
             y = torch.ops.aten._weight_int8pack_mm(x, layer.qweight, layer.scales.to(x.dtype))  # [T, N]
             return y if layer.bias is None else y + layer.bias
-        return F.linear(x, self._dequantized(layer, x.dtype), layer.bias)
-
-    def _dequantized(self, layer: nn.Module, dtype: torch.dtype) -> torch.Tensor:  # [N, K]
-        q, s = layer.qweight, layer.scales
-        w = self.workspace.get("w", tuple(q.shape), torch.float32, q.device)
-        torch.mul(q, s[:, None], out=w)  # int8 x float32 -> float32, exact
-        return w if dtype == torch.float32 else w.to(dtype)
+        # x @ (q * s).T = (x @ q.T) * s: convert q (a plain, vectorized copy), scale the output.
+        q = layer.qweight
+        w = self.workspace.get("w", tuple(q.shape), x.dtype, q.device).copy_(q)  # [N, K]
+        y = F.linear(x, w).mul_(layer.scales.to(x.dtype))  # [T, N]
+        return y if layer.bias is None else y.add_(layer.bias)
 
     def dequantize(self, layer: nn.Module) -> torch.Tensor:
         return layer.qweight.float() * layer.scales[:, None]
