@@ -38,7 +38,8 @@ class DraftModelProposer(Proposer):
         if hf_config.vocab_size != context.vocab_size:
             raise ValueError(f"draft vocab_size {hf_config.vocab_size} differs from the target's "
                              f"{context.vocab_size}: the draft must share the tokenizer")
-        draft_config = context.config.model_copy(update={"model": options.model})
+        # The draft's own checkpoint decides its quantization (a float draft of an AWQ target stays float).
+        draft_config = context.config.model_copy(update={"model": options.model, "quantization": None})
         self.runner = ModelRunner(draft_config, hf_config, context.registry, context.dtype,
                                   context.max_model_len, set(), progress=False)
         self.runner.allocate_kv_cache(context.num_blocks)
