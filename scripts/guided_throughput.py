@@ -27,7 +27,7 @@ def run(llm: LLM, batch: int, max_tokens: int, constrained: bool) -> float:
     params = []
     for i in range(batch):
         so = StructuredOutputs(json=SCHEMA) if constrained and i % 2 == 0 else None
-        params.append(SamplingParams(temperature=1.0, seed=i, max_tokens=max_tokens, ignore_eos=so is None,
+        params.append(SamplingParams(temperature=1.0, max_tokens=max_tokens, ignore_eos=so is None,
                                      structured_outputs=so))
     start = time.perf_counter()
     outs = llm.generate(["Describe the weather in JSON:"] * batch, params, use_tqdm=False)

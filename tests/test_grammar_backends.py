@@ -261,6 +261,9 @@ PROBES = [
     ("enum", {"enum": [1, 2]}, "3"),
     ("pattern with maxLength", {"type": "string", "pattern": "^a+$", "maxLength": 2}, '"aaaa"'),
     ("$ref to an anchor", {"$defs": {"a": {"$id": "#foo", "type": "integer"}}, "$ref": "#foo"}, '"s"'),
+    ("any-value property", {"type": "object", "properties": {"a": {}}}, "{1}"),
+    ("any-value additionalProperties", {"type": "object", "additionalProperties": {}}, "{ 1}"),
+    ("pattern digits", {"type": "string", "pattern": "^\\d+$"}, '"\u0668"'),  # ARABIC-INDIC DIGIT EIGHT
     ("$ref", {"$defs": {"a": {"type": "integer"}}, "$ref": "#/$defs/a"}, '"x"'),
 ]
 
@@ -318,10 +321,11 @@ def test_redundant_siblings_are_fine(byte_backends):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_regex_dot_does_not_match_a_newline(byte_backends, backend):
-    b = byte_backends[backend]  # as in Python and ECMAScript; xgrammar's own "." would
-    for text, ok in (("x-y", True), ("x\ny", False)):
-        m = b.matcher(b.compile(GrammarSpec("regex", "x.y")), 8)
+def test_regex_dot_and_classes_read_as_in_ecmascript(byte_backends, backend):
+    b = byte_backends[backend]  # xgrammar's own "." takes a newline, outlines' \d any Unicode digit
+    for regex, text, ok in (("x.y", "x-y", True), ("x.y", "x\ny", False), (r"\d\w", "1a", True),
+                            (r"\d", "\u0668", False), (r"[\w]", "\u00e9", False)):
+        m = b.matcher(b.compile(GrammarSpec("regex", regex)), 8)
         assert (all(m.accept_token(3 + c) for c in text.encode()) and m.accept_token(EOS)) == ok
 
 

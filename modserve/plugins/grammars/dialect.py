@@ -1,9 +1,12 @@
-"""Where xgrammar reads a spec differently from what users write, rewritten to mean the same.
+r"""Where a backend reads a spec differently from what users mean, rewritten to mean that.
 
 - GBNF allows an empty alternative (``ws ::= | " "``, as llama.cpp's own json.gbnf
   writes it); xgrammar's parser wants the empty string spelled out (``ws ::= "" | " "``).
 - A regex ``.`` in xgrammar matches any character, newline included; in Python,
   Rust (outlines-core) and ECMAScript it does not. It becomes ``[^\n]``.
+- outlines-core's Rust regex reads ``\d`` and ``\w`` as Unicode classes (``٨`` is a
+  digit); JSON Schema patterns are ECMAScript, where they are ASCII, as in xgrammar.
+  They become ``[0-9]`` and ``[0-9A-Za-z_]``.
 """
 
 from __future__ import annotations
@@ -73,6 +76,35 @@ def dot_excludes_newline(regex: str) -> str:
             out.append("[^\\n]")
             i += 1
             continue
+        out.append(c)
+        i += 1
+    return "".join(out)
+
+
+_ASCII = {"d": "0-9", "w": "0-9A-Za-z_"}
+
+
+def ascii_classes(regex: str) -> str:
+    """``\\d`` and ``\\w`` as their ASCII ranges, inside character classes or out."""
+    out: list[str] = []
+    i, n = 0, len(regex)
+    in_class = False
+    while i < n:
+        c = regex[i]
+        if c == "\\" and i + 1 < n:
+            ranges = _ASCII.get(regex[i + 1])
+            out.append(regex[i: i + 2] if ranges is None else ranges if in_class else f"[{ranges}]")
+            i += 2
+            continue
+        if in_class and c == "]":
+            in_class = False
+        elif not in_class and c == "[":
+            in_class = True
+            j = i + 1 + (regex[i + 1: i + 2] == "^")
+            if regex[j: j + 1] == "]":  # a leading "]" is a literal
+                out.append(regex[i: j + 1])
+                i = j + 1
+                continue
         out.append(c)
         i += 1
     return "".join(out)

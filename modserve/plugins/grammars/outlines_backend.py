@@ -17,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from modserve.core.interfaces import GrammarBackend, GrammarMatcher, GrammarVocab
 from modserve.core.structured_outputs import GrammarSpec
 from modserve.plugins.grammars.bits import set_bit
+from modserve.plugins.grammars.dialect import ascii_classes
 from modserve.plugins.grammars.schema_gate import unenforced
 
 _REGEX_META = set("\\.+*?()|[]{}^$")
@@ -58,7 +59,7 @@ class OutlinesBackend(GrammarBackend):
         self.vocabulary = outlines_core.Vocabulary(min(eos), tokens)
 
     def compile(self, spec: GrammarSpec) -> Any:
-        regex = self.regex(spec)
+        regex = ascii_classes(self.regex(spec))
         try:
             return self.oc.Index(regex, self.vocabulary)
         except (ValueError, RuntimeError) as e:
@@ -69,8 +70,9 @@ class OutlinesBackend(GrammarBackend):
             return spec.value
         if spec.kind == "choice":
             return "(" + "|".join(regex_literal(c) for c in spec.value) + ")"
+        # NOTE: for {} as a member, outlines-core writes an ungrouped alternation: `{1}` then matches.
         skipped = self.options.refuse_unenforced and unenforced(json.loads(spec.value), SKIPPED_KEYWORDS,
-                                                                type_from_keywords=True)
+                                                                type_from_keywords=True, empty_members=True)
         if skipped:
             raise ValueError(f"does not enforce {skipped}")
         try:

@@ -44,7 +44,7 @@ _TYPE_KEYWORDS = {
 
 def unenforced(schema: Any, keywords: frozenset[str], formats: frozenset[str] = frozenset(),
                pairs: frozenset[tuple[str, str]] = frozenset(), pointer_refs_only: bool = False,
-               type_from_keywords: bool = False) -> str | None:
+               type_from_keywords: bool = False, empty_members: bool = False) -> str | None:
     """The first constraint in ``schema`` its backend would skip, as "keyword at path"; None if none.
 
     ``keywords`` are skipped keywords; ``oneOf`` listed there is allowed when its
@@ -53,7 +53,8 @@ def unenforced(schema: Any, keywords: frozenset[str], formats: frozenset[str] = 
     ``pairs`` keywords it drops the second of when both are present, and
     ``pointer_refs_only`` says a ``$ref`` other than ``#`` or ``#/...`` is skipped, and
     ``type_from_keywords`` that the backend picks an object or array type from the keywords
-    present (``properties``, ``items``) over what ``type`` says.
+    present (``properties``, ``items``) over what ``type`` says, and ``empty_members`` that
+    it mishandles ``{}`` (any value) as a property's or ``additionalProperties``' schema.
     """
     old_draft = isinstance(schema, dict) and any(d in str(schema.get("$schema", "")) for d in _OLD_DRAFTS)
     for path, node in _schemas(schema, "#"):
@@ -65,6 +66,12 @@ def unenforced(schema: Any, keywords: frozenset[str], formats: frozenset[str] = 
                 return f"{second!r} together with {first!r} at {path}"
         if type_from_keywords and (clash := _type_clash(node)):
             return clash + f" at {path}"
+        if empty_members:
+            members = node.get("properties") if isinstance(node.get("properties"), dict) else {}
+            empty = [f"properties/{k}" for k, v in members.items() if v == {}]
+            empty += ["additionalProperties"] if node.get("additionalProperties") == {} else []
+            if empty:
+                return f"the any-value schema {{}} as {empty[0]} at {path}"
         ref = node.get("$ref")
         if pointer_refs_only and isinstance(ref, str) and ref != "#" and not ref.startswith("#/"):
             return f"$ref {ref!r} (only '#/...' pointers) at {path}"
