@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 from typing import Any, Sequence
 
-from modserve.bench.metrics import Spread
+from modserve.bench.metrics import Spread, ratio_spread
 from modserve.bench.pinning import add_pinning_flags, pin
 from modserve.bench.workloads import add_workload_flags
 
@@ -31,8 +31,10 @@ def add_parsers(sub: Any) -> None:
     add_config_flags(p)
     add_workload_flags(p, num_prompts=64)
     add_pinning_flags(p)
-    p.add_argument("--baseline", choices=["hf"], help="also run transformers generate, interleaved")
+    p.add_argument("--baseline", nargs="+", choices=["hf", "vllm"], default=[],
+                   help="also run these, interleaved: transformers generate (hf), an installed vLLM (vllm)")
     p.add_argument("--hf-batch-size", type=int, default=16, help="static batch size of the hf baseline")
+    _add_vllm_flags(p)
     p.add_argument("--output-json", help="write every run's figures here")
     p.set_defaults(func=cmd_throughput)
 
@@ -42,6 +44,8 @@ def add_parsers(sub: Any) -> None:
     p.add_argument("--output-len", type=int, default=64)
     p.add_argument("--hardware", choices=HARDWARE_CHOICES, default=None,
                    help="for the decode ceiling (default: cpu, measured, when the device is the CPU)")
+    p.add_argument("--baseline", choices=["vllm"], help="also run an installed vLLM, interleaved")
+    _add_vllm_flags(p)
     add_pinning_flags(p)
     p.add_argument("--output-json", help="write every run's figures here")
     p.set_defaults(func=cmd_latency)
@@ -94,6 +98,13 @@ def add_parsers(sub: Any) -> None:
     p.set_defaults(func=cmd_plan)
 
 
+def _add_vllm_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--baseline-python", metavar="PATH",
+                   help="the Python that runs the vllm baseline (default: this one); it must have vLLM")
+    p.add_argument("--vllm-dtype", choices=["bfloat16", "float16", "float32"],
+                   help="the vllm baseline's dtype (default: the one modserve's engine runs)")
+
+
 # -- offline ---------------------------------------------------------------------------
 def _engine(args: argparse.Namespace):
     from modserve import LLM
@@ -119,6 +130,28 @@ def _workload_line(args: argparse.Namespace, requests: Sequence[Any]) -> str:
             f"tokens (greedy, EOS ignored)")
 
 
+def _vllm_runner(args: argparse.Namespace, llm: Any, max_model_len: int, log_stats: bool = False) -> Any:
+    from modserve.bench.vllm_baseline import VLLMRunner
+
+    dtype = args.vllm_dtype or str(llm.engine.dtype).removeprefix("torch.")
+    caching = bool(getattr(llm.engine.allocator, "caching", False))  # as modserve's KV allocator does
+    return VLLMRunner(args.baseline_python, llm.config.model, dtype, max_model_len, caching, log_stats)
+
+
+def _ratio_line(figures: dict[str, list[dict[str, float]]], baseline: str, key: str) -> str:
+    """modserve over a baseline, per interleaved pair of repeats, then median [min-max]."""
+    ratio = ratio_spread([f[key] for f in figures["modserve"]], [f[key] for f in figures[baseline]])
+    return f"modserve / {baseline}: {key} {ratio.format(2)}x"
+
+
+def _agreement_line(runs: dict[str, Any], baseline: str, label: str) -> str:
+    from modserve.bench.offline import agreement
+
+    rate, diverged = agreement(runs["modserve"][0].token_ids, runs[baseline][0].token_ids)
+    where = f"; the others first differ at tokens {sorted(diverged)[:10]}" if diverged else ""
+    return f"greedy agreement with {label}: {rate:.1%} of requests identical{where}"
+
+
 def _write_json(path: str | None, data: Any) -> None:
     if path:
         Path(path).write_text(json.dumps(data, indent=2))
@@ -126,8 +159,9 @@ def _write_json(path: str | None, data: Any) -> None:
 
 
 def cmd_throughput(args: argparse.Namespace) -> int:
-    from modserve.bench.offline import EngineRunner, agreement, interleave
+    from modserve.bench.offline import EngineRunner, interleave
     from modserve.bench.report import spread_table
+    from modserve.bench.vllm_baseline import VLLMUnavailable
     from modserve.bench.workloads import load_workload, tokenize
 
     pinning = pin(args)
@@ -135,18 +169,30 @@ def cmd_throughput(args: argparse.Namespace) -> int:
     tok = llm.get_tokenizer()
     requests = tokenize(load_workload(args, tok.hf), tok)
     runners: list[Any] = [EngineRunner(llm)]
-    if args.baseline == "hf":
-        from modserve.bench.hf_baseline import HFRunner
+    try:
+        if "vllm" in args.baseline:  # first: a missing vLLM should fail before the hf model loads
+            runners.append(_vllm_runner(args, llm, max(r.prompt_len + r.output_len for r in requests)))
+        if "hf" in args.baseline:
+            from modserve.bench.hf_baseline import HFRunner
 
-        runners.append(HFRunner(llm.config.model, llm.engine.dtype, args.hf_batch_size))
-    runs = interleave(runners, requests, args.repeats, args.warmups)
+            runners.append(HFRunner(llm.config.model, llm.engine.dtype, args.hf_batch_size))
+        runs = interleave(runners, requests, args.repeats, args.warmups)
+    except VLLMUnavailable as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    finally:
+        for runner in runners:
+            if hasattr(runner, "close"):
+                runner.close()
     figures = {name: [r.figures() for r in rs] for name, rs in runs.items()}
-    print("\n".join(_header(llm, pinning) + [_workload_line(args, requests)]))
+    print("\n".join(_header(llm, pinning) + [r.describe() for r in runners if hasattr(r, "describe")]
+                    + [_workload_line(args, requests)]))
     print(f"median [min-max] over {args.repeats} repeats" + (", interleaved" if len(runners) > 1 else ""))
     print(spread_table(figures))
-    if args.baseline:
-        rate, _ = agreement(runs["modserve"][0].token_ids, runs["hf"][0].token_ids)
-        print(f"greedy agreement with hf (batch {args.hf_batch_size}): {rate:.1%} of requests identical")
+    for runner in runners[1:]:
+        print(_ratio_line(figures, runner.name, "output tok/s"))
+        label = f"hf (batch {args.hf_batch_size})" if runner.name == "hf" else runner.name
+        print(_agreement_line(runs, runner.name, label))
     _write_json(args.output_json, figures)
     return 0
 
@@ -155,15 +201,34 @@ def cmd_latency(args: argparse.Namespace) -> int:
     from modserve.bench.offline import single_stream
     from modserve.bench.plan import ModelShape, hardware, plan
     from modserve.bench.report import spread_table
+    from modserve.bench.vllm_baseline import VLLMUnavailable
 
     pinning = pin(args)
     llm = _engine(args)
-    runs = [r.figures() for r in single_stream(llm, args.input_len, args.output_len, args.repeats, args.warmups)]
-    print("\n".join(_header(llm, pinning)))
+    baselines: list[Any] = []
+    try:
+        if args.baseline == "vllm":
+            baselines.append(_vllm_runner(args, llm, args.input_len + args.output_len, log_stats=True))
+        all_runs = single_stream(llm, args.input_len, args.output_len, args.repeats, args.warmups,
+                                 baselines=baselines)
+    except VLLMUnavailable as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    finally:
+        for b in baselines:
+            b.close()
+    figures = {name: [r.figures() for r in rs] for name, rs in all_runs.items()}
+    runs = figures["modserve"]
+    print("\n".join(_header(llm, pinning) + [b.describe() for b in baselines]))
     print(f"single stream: {args.input_len} prompt tokens, {args.output_len} output tokens; "
-          f"median [min-max] over {args.repeats} runs")
-    print(spread_table({"modserve": runs}, digits=2))
-    result: dict[str, Any] = {"runs": runs}
+          f"median [min-max] over {args.repeats} runs" + (", interleaved" if baselines else ""))
+    print(spread_table(figures, digits=2))
+    for b in baselines:
+        print(_ratio_line(figures, b.name, "decode tok/s"))
+        how = ("its RequestOutput.metrics timestamps" if b.latency_method == "metrics" else
+               "a 1-token run (TTFT) and the full run of the same prompt (TPOT = the difference / (output - 1))")
+        print(f"{b.name} TTFT and TPOT from {how}")
+    result: dict[str, Any] = {"runs": runs, **{f"{b.name}_runs": figures[b.name] for b in baselines}}
     hw_name = args.hardware or ("cpu" if llm.config.device == "cpu" else None)
     if hw_name:
         dtype = str(llm.engine.dtype).removeprefix("torch.")

