@@ -13,7 +13,7 @@ import torch
 
 from modserve.attention_backends.paged import PagedAttention, PagedAttentionState
 from modserve.attention_backends.reference import ReferenceAttention
-from modserve.core.interfaces import AttentionMetadata, AttentionSpec
+from modserve.core.interfaces import AttentionBackend, AttentionMetadata, AttentionSpec
 
 BACKENDS = {"reference": ReferenceAttention, "paged": PagedAttention}
 
@@ -47,7 +47,7 @@ class Case:
     q: torch.Tensor  # [T, H, D]
     k: torch.Tensor  # [T, Hkv, D]
     v: torch.Tensor  # [T, Hkv, D]
-    kv_cache: torch.Tensor  # [2, N, bs, Hkv, D], context KV written, everything else stale
+    slots: torch.Tensor  # [2, N * bs, Hkv, D] the cache by slot: context KV written, everything else stale
     ctx_k: list[torch.Tensor]  # per sequence [context_len, Hkv, D]
     ctx_v: list[torch.Tensor]
 
@@ -90,8 +90,7 @@ def make_case(
     def rand(*shape: int) -> torch.Tensor:
         return torch.randn(*shape, generator=gd).to(dtype)
 
-    kv_cache = rand(2, num_blocks, block_size, num_kv_heads, head_dim) * 3  # stale everywhere
-    flat = kv_cache.view(2, -1, num_kv_heads, head_dim)
+    flat = rand(2, num_blocks * block_size, num_kv_heads, head_dim) * 3  # stale everywhere
     ctx_k, ctx_v = [], []
     for i, c in enumerate(ctx_lens):
         ck, cv = rand(c, num_kv_heads, head_dim), rand(c, num_kv_heads, head_dim)
@@ -138,7 +137,7 @@ def make_case(
         rand(num_tokens, num_heads, head_dim),
         rand(num_tokens, num_kv_heads, head_dim),
         rand(num_tokens, num_kv_heads, head_dim),
-        kv_cache,
+        flat,
         ctx_k,
         ctx_v,
     )
@@ -164,21 +163,39 @@ def naive_attention(case: Case) -> torch.Tensor:
     return out
 
 
+def slot_view(backend: AttentionBackend, cache: torch.Tensor) -> torch.Tensor:
+    """A backend's cache (``kv_cache_shape`` layout) by slot: ``[2, slots, Hkv, D]`` (a copy for paged)."""
+    s = backend.spec
+    if isinstance(backend, PagedAttention):
+        cache = cache.permute(0, 1, 3, 2, 4)  # [2, N, Hkv, bs, D] -> [2, N, bs, Hkv, D]
+    return cache.reshape(2, -1, s.num_kv_heads, s.head_dim)
+
+
+def backend_cache(backend: AttentionBackend, case: Case) -> torch.Tensor:
+    """A fresh copy of the case's cache in the backend's layout; the inverse of ``slot_view``."""
+    s = backend.spec
+    blocks = case.slots.view(2, -1, s.block_size, s.num_kv_heads, s.head_dim)  # [2, N, bs, Hkv, D]
+    if isinstance(backend, PagedAttention):
+        blocks = blocks.permute(0, 1, 3, 2, 4)  # [2, N, Hkv, bs, D]
+    cache = blocks.clone(memory_format=torch.contiguous_format)
+    assert tuple(cache.shape) == backend.kv_cache_shape(blocks.shape[1])
+    assert torch.equal(slot_view(backend, cache), case.slots)
+    return cache
+
+
 def run_backend(name: str, case: Case) -> tuple[torch.Tensor, torch.Tensor]:
-    """(output, cache afterwards) of one forward on a copy of the case's cache."""
+    """(output, cache afterwards, by slot) of one forward on a copy of the case's cache."""
     backend = BACKENDS[name](case.spec)
-    cache = case.kv_cache.clone()
-    assert tuple(cache.shape) == backend.kv_cache_shape(cache.shape[1])
+    cache = backend_cache(backend, case)
     state = backend.prepare(case.meta)
     out = backend.forward(case.q, case.k, case.v, cache, case.meta, state)
     assert out.shape == case.q.shape and out.dtype == case.q.dtype
-    return out, cache
+    return out, slot_view(backend, cache)
 
 
-def check_cache(case: Case, cache: torch.Tensor) -> None:
-    """New k/v sit at their slots; every other slot is untouched."""
-    hkv, d = case.spec.num_kv_heads, case.spec.head_dim
-    flat, before = cache.view(2, -1, hkv, d), case.kv_cache.view(2, -1, hkv, d)
+def check_cache(case: Case, flat: torch.Tensor) -> None:
+    """New k/v sit at their slots; every other slot is untouched (``flat``: the cache by slot)."""
+    before = case.slots
     sm = case.meta.slot_mapping
     torch.testing.assert_close(flat[0, sm], case.k, rtol=0, atol=0)
     torch.testing.assert_close(flat[1, sm], case.v, rtol=0, atol=0)
@@ -232,11 +249,11 @@ def test_strided_qkv_views(backend: str) -> None:
     q, k, v = fused.split([8 * d, 2 * d, 2 * d], dim=1)
     q, k, v = q.view(t, 8, d), k.view(t, 2, d), v.view(t, 2, d)
     assert not q.is_contiguous()
-    backend = BACKENDS[backend](case.spec)
-    cache = case.kv_cache.clone()
-    out = backend.forward(q, k, v, cache, case.meta, backend.prepare(case.meta))
+    attn = BACKENDS[backend](case.spec)
+    cache = backend_cache(attn, case)
+    out = attn.forward(q, k, v, cache, case.meta, attn.prepare(case.meta))
     torch.testing.assert_close(out.double(), naive_attention(case), rtol=0, atol=1e-5)
-    check_cache(case, cache)
+    check_cache(case, slot_view(attn, cache))
 
 
 @pytest.mark.parametrize("backend", sorted(BACKENDS))
@@ -256,16 +273,17 @@ def test_paged_state_shared_across_layers() -> None:
     state = backend.prepare(case.meta)
     assert isinstance(state, PagedAttentionState)
     assert state.num_decodes == 5 and not state.all_decodes
-    assert [p.blocks is None for p in state.prefills] == [True, False, False]
+    assert [p.kv_rows is None for p in state.prefills] == [True, False, False]
     for layer in range(3):
         # Same layout (table seed), different data per layer.
         layer_case = make_case(
             MIXED, block_size=4, num_heads=8, num_kv_heads=2, seed=11, data_seed=100 + layer
         )
         assert torch.equal(layer_case.meta.block_tables, case.meta.block_tables)
-        cache = layer_case.kv_cache.clone()
+        cache = backend_cache(backend, layer_case)
         out = backend.forward(layer_case.q, layer_case.k, layer_case.v, cache, case.meta, state)
         torch.testing.assert_close(out.double(), naive_attention(layer_case), rtol=0, atol=1e-5)
+        check_cache(layer_case, slot_view(backend, cache))
 
 
 def test_paged_reused_across_steps() -> None:
@@ -278,7 +296,7 @@ def test_paged_reused_across_steps() -> None:
             case = make_case(seqs, block_size=4, num_heads=8, num_kv_heads=2, dtype=dtype, seed=20 + step)
             backend = backend or PagedAttention(case.spec)
             state = backend.prepare(case.meta)
-            out = backend.forward(case.q, case.k, case.v, case.kv_cache.clone(), case.meta, state)
+            out = backend.forward(case.q, case.k, case.v, backend_cache(backend, case), case.meta, state)
             atol = 1e-5 if dtype == torch.float32 else 5e-2
             torch.testing.assert_close(out.double(), naive_attention(case), rtol=0, atol=atol)
 
@@ -286,8 +304,10 @@ def test_paged_reused_across_steps() -> None:
 def test_paged_without_prepare() -> None:
     case = make_case(MIXED, block_size=4, num_heads=8, num_kv_heads=2, seed=13)
     backend = PagedAttention(case.spec)
-    out = backend.forward(case.q, case.k, case.v, case.kv_cache.clone(), case.meta, None)
+    cache = backend_cache(backend, case)
+    out = backend.forward(case.q, case.k, case.v, cache, case.meta, None)
     torch.testing.assert_close(out.double(), naive_attention(case), rtol=0, atol=1e-5)
+    check_cache(case, slot_view(backend, cache))
 
 
 def test_registration() -> None:
