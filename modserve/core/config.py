@@ -68,6 +68,9 @@ class EngineConfig(BaseModel):
     seed: int = Field(0, description="Seed of the global sampling RNG (per-request seeds are separate)")
     device: str = Field("cpu", description="torch device: cpu, cuda, cuda:1")
     num_threads: int | None = Field(None, gt=0, description="torch intra-op threads (default: torch's)")
+    compile: Literal["auto", "on", "off"] = Field(
+        "auto", description="torch.compile each layer's ops around attention (and, on CPU with a 16-bit "
+        "checkpoint, the batch-1 decode GEMV); auto: on for CPU models of 64 MiB of weights or more")
     attention_backend: PluginChoice = Field(PluginChoice(name="paged"), description="Attention backend plugin")
     kv_allocator: PluginChoice = Field(PluginChoice(name="paged"), description="KV block allocator plugin")
     scheduler: PluginChoice = Field(PluginChoice(name="fcfs"), description="Scheduling policy plugin")

@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from modserve.core.compile import checkpoint_dtype
 from modserve.core.config import EngineConfig
 from modserve.core.grammar import CompiledGrammar, GrammarCompiler, wait_any
 from modserve.core.interfaces import ProposerContext, SamplerOutput, SchedulerLimits
@@ -78,6 +79,20 @@ class LLMEngine:
                                       self.runner.sampler)
             self.proposer = registry.create("proposer", config.speculative.proposer, context)
         self.spec_counters = {"spec_proposed_tokens": 0, "spec_accepted_tokens": 0, "spec_verifications": 0}
+        if self.runner.compiled:
+            self._warm_up()
+
+    def _warm_up(self) -> None:
+        """Compile now, not on the first request: a 2-token prefill makes the graph for
+        batches of 2 or more, the decode after it the graph for one row."""
+        start = time.perf_counter()
+        self.add_request("modserve-warm-up", [0, 0], SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True))
+        while self.has_unfinished_requests():
+            self.step()
+        for key in self.counters:
+            self.counters[key] = 0
+        # NOTE: two tokens fill no KV block, so the prefix cache keeps nothing of this.
+        logger.info("compile: warm-up took %.1f s", time.perf_counter() - start)
 
     # -- KV sizing ----------------------------------------------------------------
     def _num_kv_blocks(self) -> int:
@@ -439,8 +454,7 @@ def resolve_max_model_len(config: EngineConfig, hf_config: Any) -> int:
 def resolve_dtype(name: str, hf_config: Any, device: torch.device) -> torch.dtype:
     if name != "auto":
         return getattr(torch, name)
-    ckpt = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None) or torch.float32
-    ckpt = getattr(torch, ckpt) if isinstance(ckpt, str) else ckpt
+    ckpt = checkpoint_dtype(hf_config)
     if device.type == "cpu" and ckpt != torch.float32:
         logger.info("dtype auto: float32 (checkpoint is %s; CPUs without native bf16/fp16 GEMMs run "
                     "them many times slower than float32)", ckpt)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Iterable, Sequence as Seq
+from typing import Any, Callable, ClassVar, Iterable, Sequence as Seq
 
 import torch
 from pydantic import BaseModel
@@ -188,6 +188,10 @@ class KVAllocator(ABC):
         """(source, destination) block copies that must happen before the next forward."""
         return []
 
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix (blocks in use stay in use): later requests compute
+        their prompts in full. Default: nothing is cached, nothing to do."""
+
     def stats(self) -> dict[str, float]:
         """Counters for engine stats and /metrics."""
         return {"num_blocks": self.num_blocks, "free_blocks": self.num_free_blocks()}
@@ -344,6 +348,17 @@ class CausalLM(torch.nn.Module):
 
     @abstractmethod
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None: ...
+
+    def compile_regions(self, compiler: Callable[[Callable], Callable]) -> bool:
+        """Optional: replace the model's attention-free parts by ``compiler(fn)`` (a
+        ``torch.compile`` that the core configures) and return True; the attention backend
+        must stay outside the compiled parts. The default compiles nothing."""
+        return False
+
+    def decode_weight_modules(self) -> list[torch.nn.Module]:
+        """Modules besides the linears (e.g. the LM head) that take a ``decode_weight``
+        buffer for batch-1 decode and read it through ``linear_or_gemv``; default none."""
+        return []
 
 
 # ---------------------------------------------------------------------------

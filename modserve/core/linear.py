@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from modserve.core.compile import linear_or_gemv
 from modserve.core.interfaces import LinearSpec, Quantizer
 
 
@@ -63,7 +64,8 @@ class Linear(nn.Module):
 
 
 class Unquantized(Quantizer):
-    """Float weights ``[out, in]`` in the model dtype: ``F.linear``, exactly ``nn.Linear``."""
+    """Float weights ``[out, in]`` in the model dtype: ``F.linear``, exactly ``nn.Linear``
+    (batch-1 decode may read a 16-bit ``decode_weight`` copy: :mod:`modserve.core.compile`)."""
 
     def create_weights(self, layer: nn.Module, spec: LinearSpec) -> None:
         layer.weight = param(torch.empty(spec.out_features, spec.in_features, dtype=spec.dtype))
@@ -73,7 +75,7 @@ class Unquantized(Quantizer):
         load_shard(layer.weight, tensor, layer.spec, shard, dim=0, name=name)
 
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, layer.weight, layer.bias)
+        return linear_or_gemv(x, layer.weight, layer.bias, getattr(layer, "decode_weight", None))
 
     def dequantize(self, layer: nn.Module) -> torch.Tensor:
         return layer.weight.float()

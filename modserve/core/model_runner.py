@@ -11,6 +11,8 @@ import numpy as np
 import torch
 
 from modserve.core.batch import build_batch
+from modserve.core.compile import (add_decode_weights, checkpoint_dtype, compile_wanted, decode_weight_dtype,
+                                   regions_compiled)
 from modserve.core.config import EngineConfig
 from modserve.core.grammar import fill_token_bitmask
 from modserve.core.interfaces import AttentionSpec, SamplerOutput, SamplingBatch
@@ -76,9 +78,21 @@ class ModelRunner:
         model = model.to_empty(device=self.device)
         model.load_weights(self._weights(progress))
         finish_linears(model)
+        self.decode_weight_bytes = model_bytes(model)  # what a decode step reads
+        self.compiled = compile_wanted(self.config.compile, self.device, self.decode_weight_bytes,
+                                       self.quantizer is not None) \
+            and regions_compiled(model)
+        decode_dtype = decode_weight_dtype(self.config.dtype, self.dtype, checkpoint_dtype(self.hf_config),
+                                           self.device, self.compiled)
+        if decode_dtype is not None:
+            self.decode_weight_bytes = add_decode_weights(model, decode_dtype)
         self.weight_bytes = model_bytes(model)
-        logger.info("weights: %.1f MiB (%s)", self.weight_bytes / 2**20,
-                    type(self.quantizer).__name__ if self.quantizer else str(self.dtype).removeprefix("torch."))
+        logger.info("weights: %.1f MiB (%s)%s", self.weight_bytes / 2**20,
+                    type(self.quantizer).__name__ if self.quantizer else str(self.dtype).removeprefix("torch."),
+                    f", of which batch-1 decode reads {self.decode_weight_bytes / 2**20:.1f} MiB"
+                    if decode_dtype is not None else "")
+        if self.compiled:
+            logger.info("compile: the layers' ops around attention are compiled (torch.compile, inductor)")
         return model.eval()
 
     def _weights(self, progress: bool):

@@ -8,14 +8,17 @@ int8, AWQ, ...) is the quantizer's business; embeddings and lm_head stay float.
 
 from __future__ import annotations
 
+import functools
 import math
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from modserve.core.interfaces import AttentionBackend, AttentionMetadata, CausalLM
+from modserve.core.compile import linear_or_gemv
+from modserve.core.forward_context import attention, forward_context
+from modserve.core.interfaces import AttentionBackend, CausalLM
 from modserve.core.linear import Linear, LinearFactory, linear_factory
 
 
@@ -64,7 +67,7 @@ class RotaryEmbedding(nn.Module):
         self.cos: torch.Tensor | None = None
         self.sin: torch.Tensor | None = None
 
-    def _build(self, device: torch.device) -> None:
+    def build(self, device: torch.device) -> None:
         # Built lazily on the real device: the model is constructed on "meta".
         inv_freq = rope_inv_freq(self.config, self.head_dim).to(device)
         t = torch.arange(self.max_positions, device=device, dtype=torch.float32)
@@ -74,7 +77,7 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if self.cos is None or self.cos.device != positions.device:
-            self._build(positions.device)
+            self.build(positions.device)
         cos = self.cos[positions].unsqueeze(1).to(q.dtype)  # [T, 1, D]
         sin = self.sin[positions].unsqueeze(1).to(q.dtype)
         return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
@@ -86,7 +89,7 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 class Attention(nn.Module):
-    def __init__(self, config: Any, backend: AttentionBackend, make_linear: LinearFactory) -> None:
+    def __init__(self, config: Any, make_linear: LinearFactory) -> None:
         super().__init__()
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
@@ -97,20 +100,17 @@ class Attention(nn.Module):
         self.qkv_proj = make_linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=bias,
                                     shard_sizes=(self.q_size, self.kv_size, self.kv_size))
         self.o_proj = make_linear(self.q_size, config.hidden_size, bias=bool(getattr(config, "attention_bias", False)))
-        self.backend = backend
 
-    def forward(
-        self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding,
-        kv_cache: torch.Tensor, meta: AttentionMetadata, state: Any,
-    ) -> torch.Tensor:
+    def project(self, x: torch.Tensor, positions: torch.Tensor,
+                rope: RotaryEmbedding) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Queries ``[T, H, D]`` and keys, values ``[T, Hkv, D]``, rotated."""
         t = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(t, self.num_heads, self.head_dim)  # [T, H, D]
-        k = k.view(t, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
+        q = q.view(t, self.num_heads, self.head_dim)
+        k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
         q, k = rope(positions, q, k)
-        out = self.backend.forward(q, k, v, kv_cache, meta, state)  # [T, H, D]
-        return self.o_proj(out.reshape(t, self.q_size))
+        return q, k, v
 
 
 class MLP(nn.Module):
@@ -129,15 +129,18 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: Any, backend: AttentionBackend, make_linear: LinearFactory) -> None:
+    def __init__(self, config: Any, index: int, make_linear: LinearFactory) -> None:
         super().__init__()
-        self.self_attn = Attention(config, backend, make_linear)
+        self.index = index
+        self.self_attn = Attention(config, make_linear)
         self.mlp = MLP(config, make_linear)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, x, positions, rope, kv_cache, meta, state) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), positions, rope, kv_cache, meta, state)
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding) -> torch.Tensor:
+        q, k, v = self.self_attn.project(self.input_layernorm(x), positions, rope)
+        out = attention(q, k, v, self.index)  # [T, H, D]; the backend comes from the forward context
+        x = x + self.self_attn.o_proj(out.reshape(x.shape[0], -1))
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -154,8 +157,8 @@ class LlamaForCausalLM(CausalLM):
         make_linear = make_linear or linear_factory(None, torch.get_default_dtype(), torch.device("cpu"))
         self.config = config
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, backend, make_linear)
-                                    for _ in range(config.num_hidden_layers))
+        self.backend = backend
+        self.layers = nn.ModuleList(DecoderLayer(config, i, make_linear) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.tie = bool(getattr(config, "tie_word_embeddings", False))
         self.lm_head = None if self.tie else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
@@ -163,14 +166,30 @@ class LlamaForCausalLM(CausalLM):
         self.rope = RotaryEmbedding(config, attn.head_dim, max_positions)
 
     def forward(self, input_ids, positions, kv_caches, meta, attn_state) -> torch.Tensor:
+        with forward_context(self.backend, kv_caches, meta, attn_state):
+            return self.run_layers(input_ids, positions)
+
+    def run_layers(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Tensors in, hidden states ``[T, hidden]`` out: what ``compile_regions`` compiles."""
         x = self.embed_tokens(input_ids)  # [T, hidden]
-        for layer, kv_cache in zip(self.layers, kv_caches):
-            x = layer(x, positions, self.rope, kv_cache, meta, attn_state)
+        for layer in self.layers:
+            x = layer(x, positions, self.rope)
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        weight = self.embed_tokens.weight if self.tie else self.lm_head.weight
-        return F.linear(hidden, weight).float()  # [N, vocab]
+        head = self.embed_tokens if self.tie else self.lm_head
+        return linear_or_gemv(hidden, head.weight, None, getattr(head, "decode_weight", None)).float()  # [N, vocab]
+
+    def compile_regions(self, compiler: Callable[[Callable], Callable]) -> bool:
+        """The layers (attention an opaque op between fused graphs) and the logits."""
+        self.run_layers = functools.partial(compiler(type(self).run_layers), self)
+        self.compute_logits = functools.partial(compiler(type(self).compute_logits), self)
+        self.rope.build(self.embed_tokens.weight.device)  # no lazy branch inside the graph
+        return True
+
+    def decode_weight_modules(self) -> list[nn.Module]:
+        """Modules besides the linears whose ``weight`` batch-1 decode reads: the head."""
+        return [self.embed_tokens if self.tie else self.lm_head]
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Tensors of a linear go to it (``layers.0.self_attn.q_proj.qweight`` -> shard 0 of

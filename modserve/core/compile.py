@@ -1,0 +1,108 @@
+"""torch.compile for the ops around attention, and the 16-bit weights of batch-1 decode.
+
+A decode step of one sequence on a CPU is bound by memory bandwidth: every weight is
+read once per token. Two things make it cheaper, and both need the compiler:
+
+- The ~50 small ops of a layer (norms, RoPE, SiLU, residual adds) cost more in
+  dispatch than in arithmetic. A model hands its attention-free halves to
+  :func:`compiler` (``CausalLM.compile_regions``), so each becomes one inductor graph.
+  The attention backend stays a plugin, called eagerly between them.
+- A bfloat16 checkpoint's weights are exact in bfloat16. For a single row, a
+  compiled GEMV (:func:`linear_or_gemv`) reads that 16-bit copy and accumulates in
+  float32: half the bytes of the float32 GEMV with float32 results, which a plain
+  bf16 matmul (bf16 output, 6-300x slower GEMMs here) does not give. Prefill and
+  batched decode keep float32 weights and GEMMs.
+
+``dynamic=True`` makes one graph for every batch size >= 2; dynamo specializes size 1
+by itself, which is the graph that takes the GEMV branch.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+logger = logging.getLogger("modserve")
+
+# Below this many weight bytes the first compile (~10-20 s on two cores) costs more
+# than the per-step time it saves over a typical run; the test models are far below.
+AUTO_COMPILE_MIN_BYTES = 64 * 2**20
+
+
+def compile_wanted(setting: str, device: torch.device, weight_bytes: int, quantized: bool) -> bool:
+    if setting != "auto":
+        return setting == "on"
+    if quantized:
+        logger.info("compile auto: off (quantized linears run eagerly; set compile: on to try them compiled)")
+        return False
+    if device.type != "cpu":
+        logger.info("compile auto: off (on %s the eager path is used; set compile: on to try it)", device.type)
+        return False
+    if weight_bytes < AUTO_COMPILE_MIN_BYTES:
+        logger.info("compile auto: off (%.0f MiB of weights: compiling would take longer than it saves)",
+                    weight_bytes / 2**20)
+        return False
+    return True
+
+
+def compiler(fn: Callable) -> Callable:
+    """How the core compiles a model region: one graph for batch size 1, one for the rest."""
+    return torch.compile(fn, dynamic=True, fullgraph=True)
+
+
+def decode_weight_dtype(dtype_setting: str, compute: torch.dtype, checkpoint: torch.dtype,
+                        device: torch.device, compiled: bool) -> torch.dtype | None:
+    """The 16-bit dtype batch-1 decode reads weights in, or None (the compute dtype); logs why."""
+    if dtype_setting != "auto" or device.type != "cpu" or compute != torch.float32:
+        return None
+    if checkpoint not in (torch.bfloat16, torch.float16):
+        logger.info("dtype auto: decode reads float32 weights (a 16-bit copy of this %s checkpoint "
+                    "would round it)", str(checkpoint).removeprefix("torch."))
+        return None
+    if not compiled:
+        logger.info("dtype auto: decode reads float32 weights (the 16-bit decode GEMV needs compile on)")
+        return None
+    logger.info("dtype auto: prefill and batched decode in float32; single-sequence decode reads the "
+                "checkpoint's %s weights (half the bytes) and accumulates in float32",
+                str(checkpoint).removeprefix("torch."))
+    return checkpoint
+
+
+def linear_or_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                   decode_weight: torch.Tensor | None) -> torch.Tensor:
+    """``F.linear(x, weight, bias)``; for one row inside a compiled region, the same from the
+    16-bit ``decode_weight`` ([out, in]) as one fused upcast-multiply-sum over ``in``."""
+    if decode_weight is not None and x.shape[0] == 1 and torch.compiler.is_compiling():
+        y = (x.unsqueeze(1) * decode_weight.to(x.dtype)).sum(-1)  # [1, out], float32 accumulation
+        return y if bias is None else y + bias
+    return F.linear(x, weight, bias)
+
+
+def add_decode_weights(model: nn.Module, dtype: torch.dtype) -> int:
+    """Give every float linear and the model's ``decode_weight_modules`` a ``decode_weight``
+    buffer in ``dtype``; returns the bytes batch-1 decode then reads (a quantized linear's
+    own weights count as they are)."""
+    from modserve.core.linear import Linear, Unquantized
+
+    targets = [m for m in model.modules() if isinstance(m, Linear) and isinstance(m.quantizer, Unquantized)]
+    targets += model.decode_weight_modules()
+    for module in targets:
+        module.register_buffer("decode_weight", module.weight.detach().to(dtype), persistent=False)
+    copied = {id(m.weight) for m in targets}
+    tensors = {t.data_ptr(): t for t in [*model.parameters(), *model.buffers()] if id(t) not in copied}
+    return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
+def checkpoint_dtype(hf_config: Any) -> torch.dtype:
+    dtype = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None) or torch.float32
+    return getattr(torch, dtype) if isinstance(dtype, str) else dtype
+
+
+def regions_compiled(model: Any) -> bool:
+    """Ask the model to compile its regions; False when its architecture has none."""
+    compile_regions = getattr(model, "compile_regions", None)
+    return bool(compile_regions and compile_regions(compiler))

@@ -1,0 +1,68 @@
+"""What a model's layers need for attention during one forward pass, out of band.
+
+A model calls :func:`attention` with its tensors and its layer index; the backend, the
+layer's KV cache and the step's metadata come from the context that the model's
+``forward`` opens with :func:`forward_context`. Keeping them out of the layers'
+arguments leaves a forward pass with only tensors in and out, which is what lets
+torch.compile trace the whole model as one graph: under compilation, attention is the
+opaque custom op ``modserve::attention`` (inductor neither traces nor reorders the
+plugin's Python), and everything between two attention calls is fused.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+import torch
+
+from modserve.core.interfaces import AttentionBackend, AttentionMetadata
+
+
+@dataclass(slots=True)
+class ForwardContext:
+    backend: AttentionBackend
+    kv_caches: list[torch.Tensor]  # one per layer
+    meta: AttentionMetadata
+    state: Any  # what backend.prepare(meta) built for this step
+
+
+_local = threading.local()  # an engine thread and a test thread must not see each other's step
+
+
+@contextlib.contextmanager
+def forward_context(backend: AttentionBackend, kv_caches: list[torch.Tensor], meta: AttentionMetadata,
+                    state: Any) -> Iterator[None]:
+    outer = getattr(_local, "context", None)  # a draft model's forward may run inside nothing else, but nest
+    _local.context = ForwardContext(backend, kv_caches, meta, state)
+    try:
+        yield
+    finally:
+        _local.context = outer
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int) -> torch.Tensor:
+    ctx: ForwardContext | None = getattr(_local, "context", None)
+    if ctx is None:
+        raise RuntimeError("attention() called outside forward_context(): the model's forward must open it")
+    return ctx.backend.forward(q, k, v, ctx.kv_caches[layer], ctx.meta, ctx.state)
+
+
+@torch.library.custom_op("modserve::attention", mutates_args=())
+def _attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int) -> torch.Tensor:
+    # Writes this layer's KV cache, which is no input of the op: no graph reads it.
+    return _attend(q, k, v, layer).contiguous()  # the fake below promises a fresh contiguous tensor
+
+
+@_attention_op.register_fake
+def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int) -> torch.Tensor:
+    return torch.empty_like(q, memory_format=torch.contiguous_format)
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int) -> torch.Tensor:
+    """Attention of layer ``layer``: q ``[T, H, D]``, k and v ``[T, Hkv, D]`` -> ``[T, H, D]``."""
+    if torch.compiler.is_compiling():
+        return _attention_op(q, k, v, layer)
+    return _attend(q, k, v, layer)

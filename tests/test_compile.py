@@ -1,0 +1,68 @@
+"""The compiled path (compile: on) against the oracle: transformers in float32 on a
+bfloat16 checkpoint, whose weights float32 holds exactly. Batch-1 decode then reads the
+16-bit copy through the compiled GEMV; greedy tokens must not change."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from modserve import LLM, SamplingParams
+from modserve.testing import cached_checkpoint
+
+PROMPTS = ["Hello", "The quick brown fox jumps over the lazy dog", "café naïve 日本語 😀 and then",
+           "one two three four five six seven eight nine ten eleven twelve"]
+MAX_NEW = 10
+
+
+@pytest.fixture(scope="module")
+def bf16_reference():
+    path = str(cached_checkpoint("llama", "tiny", dtype="bfloat16"))
+    tok = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    ids = [tok.encode(p) for p in PROMPTS]
+    with torch.no_grad():
+        outs = [model.generate(torch.tensor([p]), max_new_tokens=MAX_NEW, min_new_tokens=MAX_NEW,
+                               do_sample=False, pad_token_id=0)[0, len(p):].tolist() for p in ids]
+    return path, ids, outs
+
+
+@pytest.fixture(scope="module")
+def compiled_llm(bf16_reference):
+    return LLM(bf16_reference[0], compile="on", num_kv_blocks=128, progress=False)
+
+
+def test_compile_on_uses_the_16bit_decode_weights(compiled_llm):
+    runner = compiled_llm.engine.runner
+    assert runner.compiled and runner.dtype == torch.float32
+    decode = [m.decode_weight for m in runner.model.modules() if hasattr(m, "decode_weight")]
+    assert decode and all(w.dtype == torch.bfloat16 for w in decode)
+    assert runner.decode_weight_bytes < runner.weight_bytes
+
+
+def test_compiled_greedy_matches_transformers_batched_and_alone(bf16_reference, compiled_llm):
+    _, ids, expected = bf16_reference
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
+    together = compiled_llm.generate(ids, params, use_tqdm=False)  # decode batches of 4: float32 GEMMs
+    assert [o.outputs[0].token_ids for o in together] == expected
+    alone = [compiled_llm.generate([p], params, use_tqdm=False)[0] for p in ids]  # the batch-1 GEMV
+    assert [o.outputs[0].token_ids for o in alone] == expected
+
+
+def test_compiled_logprobs_match_eager(bf16_reference, compiled_llm):
+    path, ids, _ = bf16_reference
+    eager = LLM(path, compile="off", num_kv_blocks=128, progress=False)
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True, logprobs=0)
+    for p in ids:
+        a = compiled_llm.generate([p], params, use_tqdm=False)[0].outputs[0]
+        b = eager.generate([p], params, use_tqdm=False)[0].outputs[0]
+        assert a.token_ids == b.token_ids
+        for x, y in zip(a.logprobs, b.logprobs, strict=True):
+            assert x["logprob"] == pytest.approx(y["logprob"], abs=1e-4)
+
+
+def test_compile_auto_stays_off_for_small_models(bf16_reference):
+    llm = LLM(bf16_reference[0], num_kv_blocks=128, progress=False)
+    assert not llm.engine.runner.compiled
+    assert not any(hasattr(m, "decode_weight") for m in llm.engine.runner.model.modules())
