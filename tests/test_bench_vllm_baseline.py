@@ -37,6 +37,9 @@ class LLM:
             scheduler_config=types.SimpleNamespace(max_num_seqs=7, max_num_batched_tokens=max_model_len),
             cache_config=types.SimpleNamespace(enable_prefix_caching=enable_prefix_caching)))
 
+    def reset_prefix_cache(self):
+        return True
+
     def generate(self, prompts, params, use_tqdm=True):
         outs = []
         for prompt, p in zip(prompts, params):

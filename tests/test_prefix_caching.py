@@ -207,3 +207,19 @@ def test_allocator_copy_on_write():
     alloc.free(parent)
     alloc.free(child)
     assert alloc.num_free_blocks() == 8
+
+
+def test_reset_prefix_cache_makes_the_next_run_compute_its_prompt(llama_dir):
+    llm = LLM(llama_dir, num_kv_blocks=64, max_model_len=512, progress=False)
+    prompt = list(range(10, 74))  # 4 full blocks
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    first = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids
+    before = llm.engine.stats()["computed_tokens"]
+    llm.generate([prompt], params, use_tqdm=False)
+    cached_run = llm.engine.stats()["computed_tokens"] - before
+    llm.reset_prefix_cache()
+    assert llm.engine.allocator.stats()["cached_blocks"] == 0
+    before = llm.engine.stats()["computed_tokens"]
+    again = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids
+    assert llm.engine.stats()["computed_tokens"] - before > cached_run + 40  # the prompt again, in full
+    assert again == first

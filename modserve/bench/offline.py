@@ -51,7 +51,8 @@ class Runner(Protocol):
 
 
 class EngineRunner:
-    """modserve: every request submitted at once, greedy, exactly ``output_len`` tokens each."""
+    """modserve: every request submitted at once, greedy, exactly ``output_len`` tokens each,
+    from an empty prefix cache."""
 
     def __init__(self, llm, name: str = "modserve") -> None:
         self.llm = llm
@@ -61,6 +62,7 @@ class EngineRunner:
         from modserve import SamplingParams
 
         params = [SamplingParams(temperature=0.0, max_tokens=r.output_len, ignore_eos=True) for r in requests]
+        self.llm.reset_prefix_cache()  # a repeat of the workload must not hit the last run's prompts
         start = time.perf_counter()
         outs = self.llm.generate([r.prompt_token_ids for r in requests], params, use_tqdm=False)
         wall = time.perf_counter() - start

@@ -84,6 +84,7 @@ class Worker:
     def generate(self, requests: list[dict[str, Any]]) -> dict[str, Any]:
         prompts = [{"prompt_token_ids": r["prompt_token_ids"]} for r in requests]
         params = [self._params(r["output_len"]) for r in requests]
+        self.llm.reset_prefix_cache()  # as modserve's runner: repeats must not hit the last run's prompts
         start = time.perf_counter()
         outs = self.llm.generate(prompts, params, use_tqdm=False)
         wall = time.perf_counter() - start
@@ -91,6 +92,7 @@ class Worker:
 
     def latency(self, prompt_token_ids: list[int], output_len: int) -> dict[str, Any]:
         prompt = [{"prompt_token_ids": prompt_token_ids}]
+        self.llm.reset_prefix_cache()
         start = time.perf_counter()
         out = self.llm.generate(prompt, [self._params(output_len)], use_tqdm=False)[0]
         e2el = time.perf_counter() - start

@@ -42,6 +42,11 @@ class LLM:
     def get_tokenizer(self):
         return self.engine.tokenizer
 
+    def reset_prefix_cache(self) -> None:
+        """Forget cached prefixes, as vLLM's ``LLM.reset_prefix_cache``: a benchmark that
+        repeats a workload measures its prompts, not cache hits."""
+        self.engine.allocator.reset_prefix_cache()
+
     def generate(
         self,
         prompts: Prompt | Seq[Prompt],

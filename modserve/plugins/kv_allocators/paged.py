@@ -161,6 +161,13 @@ class PagedAllocator(KVAllocator):
                 self.cached[key] = block
         self.published[seq.seq_id] = full
 
+    def reset_prefix_cache(self) -> None:
+        for block in self.cached.values():
+            self.block_key[block] = None
+        self.cached.clear()
+        self.free_plain.extend(self.free_cached)
+        self.free_cached.clear()
+
     def stats(self) -> dict[str, float]:
         return {
             **super().stats(),
