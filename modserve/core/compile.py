@@ -4,9 +4,10 @@ A decode step of one sequence on a CPU is bound by memory bandwidth: every weigh
 read once per token. Two things make it cheaper, and both need the compiler:
 
 - The ~50 small ops of a layer (norms, RoPE, SiLU, residual adds) cost more in
-  dispatch than in arithmetic. A model hands its attention-free halves to
-  :func:`compiler` (``CausalLM.compile_regions``), so each becomes one inductor graph.
-  The attention backend stays a plugin, called eagerly between them.
+  dispatch than in arithmetic. A model hands its layer to :func:`compiler`
+  (``CausalLM.compile_regions``), so it becomes one inductor graph; attention inside
+  it is an opaque custom op (:mod:`modserve.core.forward_context`), so the backend
+  stays a plugin, called eagerly.
 - A bfloat16 checkpoint's weights are exact in bfloat16. For a single row, a
   compiled GEMV (:func:`linear_or_gemv`) reads that 16-bit copy and accumulates in
   float32: half the bytes of the float32 GEMV with float32 results, which a plain
@@ -51,6 +52,9 @@ def compile_wanted(setting: str, device: torch.device, weight_bytes: int, quanti
 
 def compiler(fn: Callable) -> Callable:
     """How the core compiles a model region: one graph for batch size 1, one for the rest."""
+    # A layer's index (an int attribute) must be a graph input, not a constant, or every
+    # layer would compile its own copy of the same graph.
+    torch._dynamo.config.allow_unspec_int_on_nn_module = True
     return torch.compile(fn, dynamic=True, fullgraph=True)
 
 

@@ -4,7 +4,7 @@ A model calls :func:`attention` with its tensors and its layer index; the backen
 layer's KV cache and the step's metadata come from the context that the model's
 ``forward`` opens with :func:`forward_context`. Keeping them out of the layers'
 arguments leaves a forward pass with only tensors in and out, which is what lets
-torch.compile trace the whole model as one graph: under compilation, attention is the
+torch.compile trace a layer (or more) as one graph: under compilation, attention is the
 opaque custom op ``modserve::attention`` (inductor neither traces nor reorders the
 plugin's Python), and everything between two attention calls is fused.
 """
