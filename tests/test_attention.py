@@ -222,8 +222,10 @@ def test_mixed_batch_matches_naive(backend: str, heads: tuple[int, int], block_s
         [(0, 9)],  # one fresh prefill
         [(0, 5), (0, 17), (12, 3)],  # prefills only
         [(31, 2), (7, 1)],  # two-token chunk (e.g. speculative verify) next to a decode
+        [((i * 37) % 90, 1) for i in range(40)],  # > 16 decodes: length-sorted groups, scattered back
+        [((i * 37) % 90, 1) for i in range(20)] + [(5, 7)],  # groups beside a prefill
     ],
-    ids=["decodes", "one-prefill", "prefills", "short-chunk"],
+    ids=["decodes", "one-prefill", "prefills", "short-chunk", "decode-groups", "decode-groups-mixed"],
 )
 def test_batch_shapes(backend: str, seqs: list[tuple[int, int]]) -> None:
     case = make_case(seqs, block_size=4, num_heads=8, num_kv_heads=2, seed=len(seqs))

@@ -9,9 +9,10 @@ swaps require.)
 
 A step's batch splits into two groups:
 
-- decodes (one new token each) run as one batched computation: their KV is
-  gathered into ``[Bd, Hkv, L, D]`` (``L`` = the longest decode, rounded up to
-  whole blocks) and attended with two plain batched matmuls, queries viewed as
+- decodes (one new token each), sorted by length into groups of up to 16, run as
+  one batched computation per group: their KV is gathered into ``[Bd, Hkv, L, D]``
+  (``L`` = the group's longest decode, rounded up to whole blocks) and attended
+  with two plain batched matmuls, queries viewed as
   ``[Bd, Hkv, G, D]`` (``G = H / Hkv`` query heads share one KV head, so KV is
   never repeated), keys ``j >= seq_len`` masked out and softmax in float32. For a
   single query row this beats SDPA on CPU by about 2x: the fused kernel is built
@@ -64,6 +65,18 @@ class PrefillPlan:
 
 
 @dataclass(slots=True)
+class DecodeGroup:
+    """Decodes attended together, their KV padded to the longest of them."""
+
+    rows: torch.Tensor  # [Bg] query row of each decode
+    # [Bg * Hkv * nb] rows (block * Hkv + h) of a cache half viewed [num_blocks * Hkv, bs * D],
+    # ordered (decode, h, block): gathered, they form [Bg, Hkv, L, D]
+    kv_rows: torch.Tensor
+    bias: torch.Tensor  # [Bg, 1, 1, L] float32: 0 where key j < seq_len, else -inf
+    in_order: bool  # rows are 0..Bg-1: the step is this group alone, no scatter needed
+
+
+@dataclass(slots=True)
 class PagedAttentionState:
     """What :meth:`PagedAttention.prepare` builds once per step for every layer."""
 
@@ -71,14 +84,15 @@ class PagedAttentionState:
     # (block * Hkv + h) * block_size + offset
     write_rows: torch.Tensor | None = None
     num_decodes: int = 0
-    all_decodes: bool = False  # every row is a decode, so decode rows are 0..T-1 in order
-    decode_rows: torch.Tensor | None = None  # [Bd] query row of each decode
-    decode_len: int = 0  # L: longest decode seq_len rounded up to whole blocks
-    # [Bd * Hkv * nb] rows (block * Hkv + h) of a cache half viewed [num_blocks * Hkv, bs * D],
-    # ordered (decode, h, block): gathered, they form [Bd, Hkv, L, D]
-    decode_kv_rows: torch.Tensor | None = None
-    decode_bias: torch.Tensor | None = None  # [Bd, 1, 1, L] float32: 0 where key j < seq_len, else -inf
+    all_decodes: bool = False  # every row is a decode
+    decode_groups: list[DecodeGroup] = field(default_factory=list)
     prefills: list[PrefillPlan] = field(default_factory=list)
+
+
+# Decodes are sorted by length and attended in groups of this many, each padded to its
+# own longest: on the reference workload, padding every decode to the step's longest
+# gathered and multiplied 2.4x the keys there are; groups of 16 cut that to 1.36x.
+DECODE_GROUP = 16
 
 
 class PagedAttention(AttentionBackend):
@@ -113,24 +127,12 @@ class PagedAttention(AttentionBackend):
         state.write_rows = rows.reshape(-1)  # ordered (t, h), as k.reshape(T * Hkv, D)
 
         decode_seqs = [i for i, n in enumerate(meta.query_lens_cpu) if n == 1]
-        if decode_seqs:
-            num_blocks = -(-max(meta.seq_lens_cpu[i] for i in decode_seqs) // bs)
-            state.num_decodes = len(decode_seqs)
-            state.all_decodes = len(decode_seqs) == meta.num_seqs
-            state.decode_len = num_blocks * bs
-            if state.all_decodes:
-                tables, seq_lens = meta.block_tables, meta.seq_lens
-                state.decode_rows = meta.query_start_loc[:-1]
-            else:
-                idx = torch.tensor(decode_seqs, dtype=torch.long, device=device)  # [Bd]
-                tables, seq_lens = meta.block_tables[idx], meta.seq_lens[idx]
-                state.decode_rows = meta.query_start_loc[idx]
-            rows = tables[:, None, :num_blocks] * hkv + heads[:, None]  # [Bd, Hkv, nb]
-            state.decode_kv_rows = rows.reshape(-1)
-            key_pos = torch.arange(state.decode_len, device=device)  # [L]
-            bias = torch.zeros(len(decode_seqs), state.decode_len, dtype=torch.float32, device=device)
-            bias.masked_fill_(key_pos >= seq_lens[:, None], float("-inf"))
-            state.decode_bias = bias[:, None, None, :]  # [Bd, 1, 1, L]
+        state.num_decodes = len(decode_seqs)
+        state.all_decodes = bool(decode_seqs) and len(decode_seqs) == meta.num_seqs
+        if len(decode_seqs) > DECODE_GROUP:
+            decode_seqs.sort(key=lambda i: meta.seq_lens_cpu[i])
+        for g in range(0, len(decode_seqs), DECODE_GROUP):
+            state.decode_groups.append(self._decode_group(meta, decode_seqs[g : g + DECODE_GROUP], heads))
 
         starts = itertools.accumulate(meta.query_lens_cpu, initial=0)  # on the host: no device sync
         for i, (start, query_len) in enumerate(zip(starts, meta.query_lens_cpu)):
@@ -147,6 +149,21 @@ class PagedAttention(AttentionBackend):
             mask = key_pos[None, :] <= query_pos[:, None]  # [Lq, L]
             state.prefills.append(PrefillPlan(start, start + query_len, seq_len, kv_rows, mask))
         return state
+
+    def _decode_group(self, meta: AttentionMetadata, seqs: list[int], heads: torch.Tensor) -> DecodeGroup:
+        bs, device = self.spec.block_size, meta.block_tables.device
+        num_blocks = -(-max(meta.seq_lens_cpu[i] for i in seqs) // bs)
+        in_order = seqs == list(range(meta.num_seqs))
+        if in_order:
+            tables, seq_lens, rows = meta.block_tables, meta.seq_lens, meta.query_start_loc[:-1]
+        else:
+            idx = torch.tensor(seqs, dtype=torch.long, device=device)  # [Bg]
+            tables, seq_lens, rows = meta.block_tables[idx], meta.seq_lens[idx], meta.query_start_loc[idx]
+        kv_rows = tables[:, None, :num_blocks] * self.spec.num_kv_heads + heads[:, None]  # [Bg, Hkv, nb]
+        key_pos = torch.arange(num_blocks * bs, device=device)  # [L]
+        bias = torch.zeros(len(seqs), num_blocks * bs, dtype=torch.float32, device=device)
+        bias.masked_fill_(key_pos >= seq_lens[:, None], float("-inf"))
+        return DecodeGroup(rows, kv_rows.reshape(-1), bias[:, None, None, :], in_order)
 
     # -- once per layer --------------------------------------------------
     def forward(
@@ -174,13 +191,13 @@ class PagedAttention(AttentionBackend):
             key_cache.index_copy_(0, state.write_rows, k.reshape(-1, d))  # [T * Hkv, D], rows (t, h)
             value_cache.index_copy_(0, state.write_rows, v.reshape(-1, d))
 
-        if state.all_decodes:
-            return self._decode(q, kv_cache, state)
+        groups = state.decode_groups
+        if len(groups) == 1 and groups[0].in_order:
+            return self._decode(q, kv_cache, groups[0])
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # [T, H, D]
-        if state.num_decodes:
-            assert state.decode_rows is not None
-            q_dec = q.index_select(0, state.decode_rows)  # [Bd, H, D]
-            out.index_copy_(0, state.decode_rows, self._decode(q_dec, kv_cache, state))
+        for g in groups:
+            q_dec = q.index_select(0, g.rows)  # [Bg, H, D]
+            out.index_copy_(0, g.rows, self._decode(q_dec, kv_cache, g))
         for p in state.prefills:
             q_p = q[p.start : p.end].transpose(0, 1)[None]  # [1, H, Lq, D]
             if p.kv_rows is None:  # only the new tokens: [1, Hkv, Lq, D]
@@ -210,13 +227,12 @@ class PagedAttention(AttentionBackend):
         self,
         q: torch.Tensor,  # [Bd, H, D]
         kv_cache: torch.Tensor,  # [2, num_blocks, Hkv, block_size, D]
-        state: PagedAttentionState,
+        group: DecodeGroup,
     ) -> torch.Tensor:  # [Bd, H, D]
         s = self.spec
-        bd, hkv = state.num_decodes, s.num_kv_heads
-        assert state.decode_kv_rows is not None and state.decode_bias is not None
-        keys = self._gather("k", kv_cache[0], state.decode_kv_rows).view(bd, hkv, -1, s.head_dim)  # [Bd, Hkv, L, D]
-        values = self._gather("v", kv_cache[1], state.decode_kv_rows).view(bd, hkv, -1, s.head_dim)
+        bd, hkv = q.shape[0], s.num_kv_heads
+        keys = self._gather("k", kv_cache[0], group.kv_rows).view(bd, hkv, -1, s.head_dim)  # [Bd, Hkv, L, D]
+        values = self._gather("v", kv_cache[1], group.kv_rows).view(bd, hkv, -1, s.head_dim)
         dtype = q.dtype
         if self.fp8:
             keys, values = self._float("k", keys), self._float("v", values)
@@ -226,7 +242,7 @@ class PagedAttention(AttentionBackend):
         # query head h reads KV head h // G (as HF's repeat_kv): [Bd, Hkv, G, D]
         q = (q.to(keys.dtype) * self._scales[0]).view(bd, hkv, -1, s.head_dim)
         scores = torch.matmul(q, keys.transpose(2, 3)).float()  # [Bd, Hkv, G, L]
-        scores += state.decode_bias  # -inf past each sequence's end
+        scores += group.bias  # -inf past each sequence's end
         probs = torch.softmax(scores, dim=-1).to(values.dtype)
         o = torch.matmul(probs, values).view(bd, -1, s.head_dim)  # [Bd, H, D]
         if self.fp8:
