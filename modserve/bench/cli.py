@@ -235,7 +235,8 @@ def cmd_latency(args: argparse.Namespace) -> int:
         kv_dtype = "fp8" if llm.config.kv_cache_dtype == "fp8_e4m3" else None
         p = plan(ModelShape.load(llm.config.model), hardware(hw_name, dtype), dtype, kv_dtype,
                  context_len=args.input_len + args.output_len // 2,
-                 weight_bytes=llm.engine.runner.weight_bytes)  # as allocated: quantized or not
+                 # what a decode step reads: quantized or not, a 16-bit decode copy if one is kept
+                 weight_bytes=llm.engine.runner.decode_weight_bytes)
         rate = Spread.of([r["decode tok/s"] for r in runs]).median
         print(f"decode {rate:.1f} tok/s = {rate / p.decode_ceiling_tok_s:.0%} of the {hw_name} single-stream "
               f"ceiling of {p.decode_ceiling_tok_s:.1f} tok/s ({p.bandwidth / 1e9:.1f} GB/s over "
