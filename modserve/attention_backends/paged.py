@@ -72,7 +72,7 @@ class DecodeGroup:
     # [Bg * Hkv * nb] rows (block * Hkv + h) of a cache half viewed [num_blocks * Hkv, bs * D],
     # ordered (decode, h, block): gathered, they form [Bg, Hkv, L, D]
     kv_rows: torch.Tensor
-    bias: torch.Tensor  # [Bg, 1, 1, L] float32: 0 where key j < seq_len, else -inf
+    bias: torch.Tensor  # [Bg * Hkv, 1, L] float32: 0 where key j < seq_len, else -inf
     in_order: bool  # rows are 0..Bg-1: the step is this group alone, no scatter needed
 
 
@@ -163,7 +163,8 @@ class PagedAttention(AttentionBackend):
         key_pos = torch.arange(num_blocks * bs, device=device)  # [L]
         bias = torch.zeros(len(seqs), num_blocks * bs, dtype=torch.float32, device=device)
         bias.masked_fill_(key_pos >= seq_lens[:, None], float("-inf"))
-        return DecodeGroup(rows, kv_rows.reshape(-1), bias[:, None, None, :], in_order)
+        bias = bias.repeat_interleave(self.spec.num_kv_heads, dim=0)[:, None, :]  # one row per (decode, KV head)
+        return DecodeGroup(rows, kv_rows.reshape(-1), bias, in_order)
 
     # -- once per layer --------------------------------------------------
     def forward(
@@ -239,15 +240,17 @@ class PagedAttention(AttentionBackend):
         elif q.device.type == "cpu" and dtype in (torch.bfloat16, torch.float16):
             keys = self._buffer("k32", keys.shape, torch.float32, keys.device).copy_(keys)
             values = self._buffer("v32", values.shape, torch.float32, values.device).copy_(values)
-        # query head h reads KV head h // G (as HF's repeat_kv): [Bd, Hkv, G, D]
-        q = (q.to(keys.dtype) * self._scales[0]).view(bd, hkv, -1, s.head_dim)
-        scores = torch.matmul(q, keys.transpose(2, 3)).float()  # [Bd, Hkv, G, L]
-        scores += group.bias  # -inf past each sequence's end
-        probs = torch.softmax(scores, dim=-1).to(values.dtype)
-        o = torch.matmul(probs, values).view(bd, -1, s.head_dim)  # [Bd, H, D]
+        # Everything in float32 from here. Query head h reads KV head h // G (as HF's
+        # repeat_kv): queries [Bd * Hkv, G, D] against keys [Bd * Hkv, L, D].
+        n, length = bd * hkv, keys.shape[2]
+        q = q.to(torch.float32).reshape(n, -1, s.head_dim)
+        # scale * q k^T + bias (-inf past each sequence's end) in one call: [Bd * Hkv, G, L]
+        scores = torch.baddbmm(group.bias, q, keys.view(n, length, s.head_dim).transpose(1, 2),
+                               alpha=self._scales[0])
+        o = torch.bmm(torch.softmax(scores, dim=-1), values.view(n, length, s.head_dim))  # [Bd * Hkv, G, D]
         if self.fp8:
-            o = o * self._scales[1]
-        return o.to(dtype)
+            o *= self._scales[1]
+        return o.view(bd, -1, s.head_dim).to(dtype)  # [Bd, H, D]
 
     def _float(self, name: str, x: torch.Tensor) -> torch.Tensor:
         """fp8 keys or values -> float32 (unscaled) in workspace ``name``32."""
