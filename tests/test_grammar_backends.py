@@ -334,3 +334,27 @@ def test_gbnf_empty_alternative():
 
     assert fill_empty_alternatives('ws ::= | " " # a | b\nx ::= ("a" | ) "|" [|(]') == \
         'ws ::= "" | " " # a | b\nx ::= ("a" | "" ) "|" [|(]'
+
+
+@pytest.mark.parametrize("regex, expected", [
+    ("a.b", "a[^\\n]b"),
+    ("[.]\\.", "[.]\\."),  # in a class and escaped: literal dots stay
+    ("[].]x.", "[].]x[^\\n]"),  # a leading "]" is a literal, so the class ends at the second
+    ("[^]a].", "[^]a][^\\n]"),
+])
+def test_dot_excludes_newline(regex, expected):
+    from modserve.plugins.grammars.dialect import dot_excludes_newline
+
+    assert dot_excludes_newline(regex) == expected
+
+
+@pytest.mark.parametrize("regex, expected", [
+    ("\\d+-\\w", "[0-9]+-[0-9A-Za-z_]"),
+    ("[\\d.]\\D", "[0-9.]\\D"),  # inside a class the ranges join it; other escapes stay
+    ("[]\\d]\\d", "[]0-9][0-9]"),  # a leading "]" is a literal: the class holds "]" and 0-9
+    ("a\\", "a\\"),  # a trailing backslash is left for the regex engine to refuse
+])
+def test_ascii_classes(regex, expected):
+    from modserve.plugins.grammars.dialect import ascii_classes
+
+    assert ascii_classes(regex) == expected

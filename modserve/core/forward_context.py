@@ -35,7 +35,7 @@ _local = threading.local()  # an engine thread and a test thread must not see ea
 @contextlib.contextmanager
 def forward_context(backend: AttentionBackend, kv_caches: list[torch.Tensor], meta: AttentionMetadata,
                     state: Any) -> Iterator[None]:
-    outer = getattr(_local, "context", None)  # a draft model's forward may run inside nothing else, but nest
+    outer = getattr(_local, "context", None)  # restored on exit, so contexts nest
     _local.context = ForwardContext(backend, kv_caches, meta, state)
     try:
         yield

@@ -11,6 +11,8 @@ r"""Where a backend reads a spec differently from what users mean, rewritten to 
 
 from __future__ import annotations
 
+from typing import Iterator
+
 
 def fill_empty_alternatives(ebnf: str) -> str:
     """Insert ``""`` wherever an alternative is empty: after ``::=``, ``|`` or ``(``
@@ -50,61 +52,42 @@ def fill_empty_alternatives(ebnf: str) -> str:
     return "".join(out)
 
 
-def dot_excludes_newline(regex: str) -> str:
-    """Every unescaped ``.`` outside a character class becomes ``[^\\n]``."""
-    out: list[str] = []
+def _regex_pieces(regex: str) -> Iterator[tuple[str, bool]]:
+    """The regex as escapes (``\\x``) and single characters, each with whether it stands
+    inside a character class. A class's opening ``[`` comes with its leading literal ``]``
+    (``[]``, ``[^]``), which does not close it."""
     i, n = 0, len(regex)
     in_class = False
     while i < n:
         c = regex[i]
         if c == "\\":
-            out.append(regex[i: i + 2])
+            yield regex[i: i + 2], in_class
             i += 2
             continue
         if in_class:
-            if c == "]":
-                in_class = False
+            in_class = c != "]"
         elif c == "[":
-            in_class = True
-            # A "]" first in the class (after an optional "^") is a literal.
             j = i + 1 + (regex[i + 1: i + 2] == "^")
-            if regex[j: j + 1] == "]":
-                out.append(regex[i: j + 1])
-                i = j + 1
-                continue
-        elif c == ".":
-            out.append("[^\\n]")
-            i += 1
+            end = j + 1 if regex[j: j + 1] == "]" else i + 1
+            yield regex[i:end], False
+            in_class, i = True, end
             continue
-        out.append(c)
+        yield c, in_class
         i += 1
-    return "".join(out)
 
 
-_ASCII = {"d": "0-9", "w": "0-9A-Za-z_"}
+def dot_excludes_newline(regex: str) -> str:
+    """Every unescaped ``.`` outside a character class becomes ``[^\\n]``."""
+    return "".join("[^\\n]" if piece == "." and not inside else piece for piece, inside in _regex_pieces(regex))
+
+
+_ASCII = {"\\d": "0-9", "\\w": "0-9A-Za-z_"}
 
 
 def ascii_classes(regex: str) -> str:
     """``\\d`` and ``\\w`` as their ASCII ranges, inside character classes or out."""
-    out: list[str] = []
-    i, n = 0, len(regex)
-    in_class = False
-    while i < n:
-        c = regex[i]
-        if c == "\\" and i + 1 < n:
-            ranges = _ASCII.get(regex[i + 1])
-            out.append(regex[i: i + 2] if ranges is None else ranges if in_class else f"[{ranges}]")
-            i += 2
-            continue
-        if in_class and c == "]":
-            in_class = False
-        elif not in_class and c == "[":
-            in_class = True
-            j = i + 1 + (regex[i + 1: i + 2] == "^")
-            if regex[j: j + 1] == "]":  # a leading "]" is a literal
-                out.append(regex[i: j + 1])
-                i = j + 1
-                continue
-        out.append(c)
-        i += 1
+    out = []
+    for piece, inside in _regex_pieces(regex):
+        ranges = _ASCII.get(piece)
+        out.append(piece if ranges is None else ranges if inside else f"[{ranges}]")
     return "".join(out)
