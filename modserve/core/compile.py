@@ -77,12 +77,15 @@ def decode_weight_dtype(dtype_setting: str, compute: torch.dtype, checkpoint: to
 
 
 def linear_or_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                   decode_weight: torch.Tensor | None) -> torch.Tensor:
+                   decode_weight: torch.Tensor | None, packed_weight: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear(x, weight, bias)``; for one row inside a compiled region, the same from the
-    16-bit ``decode_weight`` ([out, in]) as one fused upcast-multiply-sum over ``in``."""
+    16-bit ``decode_weight`` ([out, in]) as one fused upcast-multiply-sum over ``in``; with a
+    oneDNN ``packed_weight`` (:mod:`modserve.core.prepack`), oneDNN's GEMM on it."""
     if decode_weight is not None and x.shape[0] == 1 and torch.compiler.is_compiling():
         y = (x.unsqueeze(1) * decode_weight.to(x.dtype)).sum(-1)  # [1, out], float32 accumulation
         return y if bias is None else y + bias
+    if packed_weight is not None:
+        return torch.ops.modserve.packed_linear(x, packed_weight, bias)
     return F.linear(x, weight, bias)
 
 

@@ -357,7 +357,8 @@ class CausalLM(torch.nn.Module):
 
     def decode_weight_modules(self) -> list[torch.nn.Module]:
         """Modules besides the linears (e.g. the LM head) that take a ``decode_weight``
-        buffer for batch-1 decode and read it through ``linear_or_gemv``; default none."""
+        buffer for batch-1 decode and a ``packed_weight`` for batched steps, and read them
+        through ``linear_or_gemv``; default none."""
         return []
 
 

@@ -65,7 +65,8 @@ class Linear(nn.Module):
 
 class Unquantized(Quantizer):
     """Float weights ``[out, in]`` in the model dtype: ``F.linear``, exactly ``nn.Linear``
-    (batch-1 decode may read a 16-bit ``decode_weight`` copy: :mod:`modserve.core.compile`)."""
+    (batch-1 decode may read a 16-bit ``decode_weight`` copy: :mod:`modserve.core.compile`;
+    other steps a oneDNN ``packed_weight``: :mod:`modserve.core.prepack`)."""
 
     def create_weights(self, layer: nn.Module, spec: LinearSpec) -> None:
         layer.weight = param(torch.empty(spec.out_features, spec.in_features, dtype=spec.dtype))
@@ -75,7 +76,8 @@ class Unquantized(Quantizer):
         load_shard(layer.weight, tensor, layer.spec, shard, dim=0, name=name)
 
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        return linear_or_gemv(x, layer.weight, layer.bias, getattr(layer, "decode_weight", None))
+        return linear_or_gemv(x, layer.weight, layer.bias, getattr(layer, "decode_weight", None),
+                              getattr(layer, "packed_weight", None))
 
     def dequantize(self, layer: nn.Module) -> torch.Tensor:
         return layer.weight.float()

@@ -13,6 +13,7 @@ import torch
 from modserve.core.batch import build_batch
 from modserve.core.compile import (add_decode_weights, checkpoint_dtype, compile_wanted, decode_weight_dtype,
                                    regions_compiled)
+from modserve.core.prepack import add_packed_weights, prepack_wanted
 from modserve.core.config import EngineConfig
 from modserve.core.grammar import fill_token_bitmask
 from modserve.core.interfaces import AttentionSpec, SamplerOutput, SamplingBatch
@@ -87,10 +88,16 @@ class ModelRunner:
         if decode_dtype is not None:
             self.decode_weight_bytes = add_decode_weights(model, decode_dtype)
         self.weight_bytes = model_bytes(model)
-        logger.info("weights: %.1f MiB (%s)%s", self.weight_bytes / 2**20,
+        self.packed_weight_bytes = 0
+        if prepack_wanted(self.config.prepack_weights, self.device, self.dtype, self.weight_bytes,
+                          self.quantizer is not None):
+            self.packed_weight_bytes = add_packed_weights(model)
+        logger.info("weights: %.1f MiB (%s)%s%s", self.weight_bytes / 2**20,
                     type(self.quantizer).__name__ if self.quantizer else str(self.dtype).removeprefix("torch."),
                     f", of which batch-1 decode reads {self.decode_weight_bytes / 2**20:.1f} MiB"
-                    if decode_dtype is not None else "")
+                    if decode_dtype is not None else "",
+                    f"; plus {self.packed_weight_bytes / 2**20:.1f} MiB packed for oneDNN's batched GEMMs"
+                    if self.packed_weight_bytes else "")
         if self.compiled:
             logger.info("compile: the layers' ops around attention are compiled (torch.compile, inductor)")
         return model.eval()

@@ -178,7 +178,8 @@ class LlamaForCausalLM(CausalLM):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         head = self.embed_tokens if self.tie else self.lm_head
-        return linear_or_gemv(hidden, head.weight, None, getattr(head, "decode_weight", None)).float()  # [N, vocab]
+        return linear_or_gemv(hidden, head.weight, None, getattr(head, "decode_weight", None),
+                              getattr(head, "packed_weight", None)).float()  # [N, vocab]
 
     def compile_regions(self, compiler: Callable[[Callable], Callable]) -> bool:
         """A decoder layer (attention an opaque op inside it) and the logits. One layer graph

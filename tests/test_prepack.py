@@ -1,0 +1,59 @@
+"""prepack_weights: oneDNN-packed float32 weights for batched CPU GEMMs, held against
+transformers (greedy tokens) and the unpacked path (logprobs), compiled and eager."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from modserve import LLM, SamplingParams
+from modserve.core.prepack import packed_linear
+from modserve.testing import cached_checkpoint
+
+from test_compile import MAX_NEW, bf16_reference  # noqa: F401  (a fixture)
+
+
+@pytest.mark.parametrize("rows", [1, 3, 17, 200])
+@pytest.mark.parametrize("bias", [False, True])
+def test_packed_linear_matches_f_linear(rows, bias):
+    g = torch.Generator().manual_seed(rows)
+    w, x = torch.randn(96, 64, generator=g), torch.randn(rows, 64, generator=g)
+    b = torch.randn(96, generator=g) if bias else None
+    packed = torch.ops.mkldnn._reorder_linear_weight(w, None)
+    torch.testing.assert_close(packed_linear(x, packed, b), F.linear(x, w, b), rtol=1e-5, atol=1e-5)
+    # a non-contiguous input (a slice of a wider tensor) gives the same
+    wide = torch.cat([x, x], dim=1)[:, :64]
+    torch.testing.assert_close(packed_linear(wide, packed, b), F.linear(x, w, b), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("compile", ["on", "off"])
+def test_packed_greedy_matches_transformers_and_logprobs_match_unpacked(bf16_reference, compile):  # noqa: F811
+    path, ids, expected = bf16_reference
+    packed = LLM(path, compile=compile, prepack_weights="on", num_kv_blocks=128, progress=False)
+    runner = packed.engine.runner
+    linears = [m for m in runner.model.modules() if hasattr(m, "packed_weight")]
+    assert linears and all(m.packed_weight.is_mkldnn for m in linears)
+    assert runner.packed_weight_bytes > 0
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True, logprobs=0)
+    together = packed.generate(ids, params, use_tqdm=False)  # batched decode: the packed GEMMs
+    assert [o.outputs[0].token_ids for o in together] == expected
+    plain = LLM(path, compile="off", prepack_weights="off", num_kv_blocks=128, progress=False)
+    reference = plain.generate(ids, params, use_tqdm=False)
+    for a, b in zip(together, reference, strict=True):
+        for x, y in zip(a.outputs[0].logprobs, b.outputs[0].logprobs, strict=True):
+            assert x["logprob"] == pytest.approx(y["logprob"], abs=1e-4)
+
+
+def test_prepack_auto_stays_off_for_small_models_and_says_why(bf16_reference, caplog):  # noqa: F811
+    with caplog.at_level("INFO", logger="modserve"):
+        llm = LLM(bf16_reference[0], num_kv_blocks=128, progress=False)
+    assert not any(hasattr(m, "packed_weight") for m in llm.engine.runner.model.modules())
+    assert "prepack_weights auto: off" in caplog.text and "MiB of weights" in caplog.text
+
+
+def test_prepack_on_where_it_cannot_work_names_the_reason():
+    path = str(cached_checkpoint("llama", "tiny"))
+    with pytest.raises(ValueError, match="prepack_weights: on, but packed GEMMs are float32; this model "
+                                         "computes in bfloat16"):
+        LLM(path, dtype="bfloat16", prepack_weights="on", num_kv_blocks=64, progress=False)
