@@ -11,11 +11,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from modserve.attention_backends.paged import PagedAttention, PagedAttentionState
+import functools
+
+from modserve.attention_backends.paged import PagedAttention, PagedAttentionState, PagedOptions
 from modserve.attention_backends.reference import ReferenceAttention
 from modserve.core.interfaces import AttentionBackend, AttentionMetadata, AttentionSpec
 
-BACKENDS = {"reference": ReferenceAttention, "paged": PagedAttention}
+# "paged" decodes with its C++ kernel on a CPU in float32; "paged-torch" with torch ops
+BACKENDS = {"reference": ReferenceAttention, "paged": PagedAttention,
+            "paged-torch": functools.partial(PagedAttention, options=PagedOptions(cpu_kernel=False))}
 
 # (context_len, query_len) per sequence.
 MIXED = [
@@ -290,17 +294,43 @@ def test_paged_state_shared_across_layers() -> None:
 
 def test_paged_reused_across_steps() -> None:
     """One backend instance over steps of growing and shrinking size and changing dtype
-    (it keeps scratch buffers between calls)."""
+    (the torch-ops path keeps scratch buffers between calls)."""
     backend = None
     steps = [MIXED, [(3, 1), (0, 4)], MIXED * 3, [(200, 1)] * 6, MIXED]
     for step, seqs in enumerate(steps):
         for dtype in (torch.float32, torch.bfloat16):
             case = make_case(seqs, block_size=4, num_heads=8, num_kv_heads=2, dtype=dtype, seed=20 + step)
-            backend = backend or PagedAttention(case.spec)
+            backend = backend or PagedAttention(case.spec, PagedOptions(cpu_kernel=False))
             state = backend.prepare(case.meta)
             out = backend.forward(case.q, case.k, case.v, backend_cache(backend, case), case.meta, state)
             atol = 1e-5 if dtype == torch.float32 else 5e-2
             torch.testing.assert_close(out.double(), naive_attention(case), rtol=0, atol=atol)
+
+
+def test_paged_decodes_with_its_cpu_kernel_in_float32_only() -> None:
+    case = make_case(MIXED, block_size=4, num_heads=8, num_kv_heads=2, seed=5)
+    kernel = PagedAttention(case.spec)
+    assert kernel.kernel, "the C++ decode kernel did not build here (see the warning logged)"
+    state = kernel.prepare(case.meta)
+    assert state.kernel_decodes is not None and not state.decode_groups
+    bf16 = make_case(MIXED, block_size=4, num_heads=8, num_kv_heads=2, seed=5, dtype=torch.bfloat16)
+    assert not PagedAttention(bf16.spec).kernel
+    assert not PagedAttention(case.spec, PagedOptions(cpu_kernel=False)).kernel
+
+
+def test_paged_kernel_build_failure_falls_back_and_says_why(monkeypatch, caplog) -> None:
+    from torch.utils import cpp_extension
+
+    from modserve.attention_backends import paged_kernel
+
+    def no_compiler(*args, **kwargs):
+        raise RuntimeError("Error building extension 'modserve_paged_decode'\nc++: not found")
+
+    monkeypatch.setattr(cpp_extension, "load", no_compiler)
+    with caplog.at_level("WARNING", logger="modserve"):
+        problem = paged_kernel.decode_kernel_problem.__wrapped__()
+    assert problem == "RuntimeError: c++: not found"
+    assert "C++ decode kernel could not be built (RuntimeError: c++: not found); decoding with torch ops" in caplog.text
 
 
 def test_paged_without_prepare() -> None:

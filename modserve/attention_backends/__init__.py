@@ -15,5 +15,7 @@ def register_attention_backends(register):
     register(
         "paged",
         "modserve.attention_backends.paged:PagedAttention",
-        description="Batched decode plus per-sequence SDPA prefill over a paged KV cache (CPU default)",
+        options="modserve.attention_backends.paged:PagedOptions",
+        description="Batched decode (a C++ kernel on CPU) plus per-sequence SDPA prefill over a paged KV "
+        "cache (CPU default)",
     )

@@ -9,8 +9,11 @@ swaps require.)
 
 A step's batch splits into two groups:
 
-- decodes (one new token each), sorted by length into groups of up to 16, run as
-  one batched computation per group: their KV is gathered into ``[Bd, Hkv, L, D]``
+- decodes (one new token each): on a CPU in float32, one call of a C++ kernel
+  (``csrc/paged_decode.cpp``, built on first use by :mod:`.paged_kernel`) that reads
+  each sequence's blocks in place, one task per (sequence, KV head). Elsewhere, or
+  where the kernel cannot be built, they are sorted by length into groups of up to 16,
+  run as one batched computation per group: their KV is gathered into ``[Bd, Hkv, L, D]``
   (``L`` = the group's longest decode, rounded up to whole blocks) and attended
   with two plain batched matmuls, queries viewed as
   ``[Bd, Hkv, G, D]`` (``G = H / Hkv`` query heads share one KV head, so KV is
@@ -45,10 +48,15 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
 
+from modserve.attention_backends.paged_kernel import decode_kernel_problem
 from modserve.core.fp8 import FP8, fp8_to_float, to_fp8
 from modserve.core.interfaces import AttentionBackend, AttentionMetadata, AttentionSpec
+
+
+class PagedOptions(BaseModel):
+    cpu_kernel: bool = Field(True, description="Decode with the C++ kernel on a CPU in float32 (false: torch ops)")
 
 
 @dataclass(slots=True)
@@ -77,6 +85,15 @@ class DecodeGroup:
 
 
 @dataclass(slots=True)
+class KernelDecodes:
+    """The step's decodes, for the C++ kernel: their rows, block tables and lengths."""
+
+    rows: torch.Tensor | None  # [Bd] query row of each decode; None: rows 0..Bd-1 are all the step's
+    block_tables: torch.Tensor  # [Bd, max_blocks] int64
+    seq_lens: torch.Tensor  # [Bd] int64
+
+
+@dataclass(slots=True)
 class PagedAttentionState:
     """What :meth:`PagedAttention.prepare` builds once per step for every layer."""
 
@@ -86,6 +103,7 @@ class PagedAttentionState:
     num_decodes: int = 0
     all_decodes: bool = False  # every row is a decode
     decode_groups: list[DecodeGroup] = field(default_factory=list)
+    kernel_decodes: KernelDecodes | None = None
     prefills: list[PrefillPlan] = field(default_factory=list)
 
 
@@ -98,12 +116,15 @@ DECODE_GROUP = 16
 class PagedAttention(AttentionBackend):
     """Batched decode attention plus per-sequence SDPA prefills over a paged KV cache."""
 
-    def __init__(self, spec: AttentionSpec, options: BaseModel | None = None) -> None:
-        super().__init__(spec, options)
+    def __init__(self, spec: AttentionSpec, options: PagedOptions | None = None) -> None:
+        super().__init__(spec, options or PagedOptions())
         self._workspace: dict[str, torch.Tensor] = {}
         self.fp8 = spec.kv_cache_dtype == FP8
         # (softmax scale, factor on the output): the fp8 cache's scales folded in
         self._scales = (spec.scale * spec.k_scale, spec.v_scale) if self.fp8 else (spec.scale, 1.0)
+        self.kernel = (self.options.cpu_kernel and spec.device.type == "cpu" and spec.dtype == torch.float32
+                       and spec.kv_cache_dtype == torch.float32 and spec.head_dim % 8 == 0
+                       and decode_kernel_problem() is None)
 
     def kv_cache_problem(self) -> str | None:
         if self.spec.kv_cache_dtype in (self.spec.dtype, FP8):
@@ -129,9 +150,11 @@ class PagedAttention(AttentionBackend):
         decode_seqs = [i for i, n in enumerate(meta.query_lens_cpu) if n == 1]
         state.num_decodes = len(decode_seqs)
         state.all_decodes = bool(decode_seqs) and len(decode_seqs) == meta.num_seqs
-        if len(decode_seqs) > DECODE_GROUP:
+        if self.kernel and decode_seqs:
+            state.kernel_decodes = self._kernel_decodes(meta, decode_seqs)
+        elif len(decode_seqs) > DECODE_GROUP:
             decode_seqs.sort(key=lambda i: meta.seq_lens_cpu[i])
-        for g in range(0, len(decode_seqs), DECODE_GROUP):
+        for g in range(0, len(decode_seqs) if state.kernel_decodes is None else 0, DECODE_GROUP):
             state.decode_groups.append(self._decode_group(meta, decode_seqs[g : g + DECODE_GROUP], heads))
 
         starts = itertools.accumulate(meta.query_lens_cpu, initial=0)  # on the host: no device sync
@@ -149,6 +172,13 @@ class PagedAttention(AttentionBackend):
             mask = key_pos[None, :] <= query_pos[:, None]  # [Lq, L]
             state.prefills.append(PrefillPlan(start, start + query_len, seq_len, kv_rows, mask))
         return state
+
+    @staticmethod
+    def _kernel_decodes(meta: AttentionMetadata, seqs: list[int]) -> KernelDecodes:
+        if seqs == list(range(meta.num_seqs)):  # the whole step, in order: no gather, no scatter
+            return KernelDecodes(None, meta.block_tables, meta.seq_lens)
+        idx = torch.tensor(seqs, dtype=torch.long, device=meta.block_tables.device)
+        return KernelDecodes(meta.query_start_loc[idx], meta.block_tables[idx], meta.seq_lens[idx])
 
     def _decode_group(self, meta: AttentionMetadata, seqs: list[int], heads: torch.Tensor) -> DecodeGroup:
         bs, device = self.spec.block_size, meta.block_tables.device
@@ -192,10 +222,17 @@ class PagedAttention(AttentionBackend):
             key_cache.index_copy_(0, state.write_rows, k.reshape(-1, d))  # [T * Hkv, D], rows (t, h)
             value_cache.index_copy_(0, state.write_rows, v.reshape(-1, d))
 
+        kd = state.kernel_decodes
+        if kd is not None and kd.rows is None:
+            return torch.ops.modserve_paged.decode(q, kv_cache[0], kv_cache[1], kd.block_tables, kd.seq_lens, s.scale)
         groups = state.decode_groups
         if len(groups) == 1 and groups[0].in_order:
             return self._decode(q, kv_cache, groups[0])
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # [T, H, D]
+        if kd is not None:
+            q_dec = q.index_select(0, kd.rows)  # [Bd, H, D]
+            out.index_copy_(0, kd.rows, torch.ops.modserve_paged.decode(q_dec, kv_cache[0], kv_cache[1],
+                                                                        kd.block_tables, kd.seq_lens, s.scale))
         for g in groups:
             q_dec = q.index_select(0, g.rows)  # [Bg, H, D]
             out.index_copy_(0, g.rows, self._decode(q_dec, kv_cache, g))
