@@ -4,6 +4,9 @@ bfloat16 checkpoint, whose weights float32 holds exactly. Batch-1 decode then re
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -66,3 +69,20 @@ def test_compile_auto_stays_off_for_small_models(bf16_reference):
     llm = LLM(bf16_reference[0], num_kv_blocks=128, progress=False)
     assert not llm.engine.runner.compiled
     assert not any(hasattr(m, "decode_weight") for m in llm.engine.runner.model.modules())
+
+
+def test_no_request_compiles_after_start(bf16_reference):
+    """The start-up warm-up makes every graph a request needs (layers and logits, one row
+    and several), so no request stalls on a compile. A fresh process: dynamo's graphs are
+    per process, and this module's other tests have made them all already."""
+    code = (
+        "import sys, torch\n"
+        "from modserve import LLM, SamplingParams\n"
+        "llm = LLM(sys.argv[1], compile='on', num_kv_blocks=128, progress=False)\n"
+        "torch.compiler.set_stance('fail_on_recompile')\n"
+        "p = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)\n"
+        "llm.generate([[5, 6, 7], [8, 9]], p, use_tqdm=False)\n"
+        "llm.generate([[5, 6, 7]], p, use_tqdm=False)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code, bf16_reference[0]], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]

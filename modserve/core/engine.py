@@ -83,10 +83,12 @@ class LLMEngine:
             self._warm_up()
 
     def _warm_up(self) -> None:
-        """Compile now, not on the first request: a 2-token prefill makes the graph for
-        batches of 2 or more, the decode after it the graph for one row."""
+        """Compile now, not on the first request. Two 2-token prompts: their prefill makes the
+        layers' graph for 2+ rows and the logits' graph for 2+ sequences; the second stops
+        after one token, so the decode after it makes both graphs for one row."""
         start = time.perf_counter()
-        self.add_request("modserve-warm-up", [0, 0], SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True))
+        for name, max_tokens in (("modserve-warm-up", 2), ("modserve-warm-up-2", 1)):
+            self.add_request(name, [0, 0], SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True))
         while self.has_unfinished_requests():
             self.step()
         for key in self.counters:
