@@ -318,19 +318,20 @@ def test_paged_decodes_with_its_cpu_kernel_in_float32_only() -> None:
     assert not PagedAttention(case.spec, PagedOptions(cpu_kernel=False)).kernel
 
 
-def test_paged_kernel_build_failure_falls_back_and_says_why(monkeypatch, caplog) -> None:
+def test_kernel_build_failure_falls_back_and_says_why(monkeypatch, caplog) -> None:
     from torch.utils import cpp_extension
 
-    from modserve.attention_backends import paged_kernel
+    from modserve.core import cpu_kernels
 
     def no_compiler(*args, **kwargs):
         raise RuntimeError("Error building extension 'modserve_paged_decode'\nc++: not found")
 
     monkeypatch.setattr(cpp_extension, "load", no_compiler)
     with caplog.at_level("WARNING", logger="modserve"):
-        problem = paged_kernel.decode_kernel_problem.__wrapped__()
+        problem = cpu_kernels.load_kernel.__wrapped__("modserve_paged_decode", "unused.cpp")
     assert problem == "RuntimeError: c++: not found"
-    assert "C++ decode kernel could not be built (RuntimeError: c++: not found); decoding with torch ops" in caplog.text
+    assert "C++ kernel modserve_paged_decode could not be built (RuntimeError: c++: not found); " \
+        "using torch ops instead" in caplog.text
 
 
 def test_paged_without_prepare() -> None:

@@ -10,7 +10,7 @@ swaps require.)
 A step's batch splits into two groups:
 
 - decodes (one new token each): on a CPU in float32, one call of a C++ kernel
-  (``csrc/paged_decode.cpp``, built on first use by :mod:`.paged_kernel`) that reads
+  (``csrc/paged_decode.cpp``, built on first use: :mod:`modserve.core.cpu_kernels`) that reads
   each sequence's blocks in place, one task per (sequence, KV head). Elsewhere, or
   where the kernel cannot be built, they are sorted by length into groups of up to 16,
   run as one batched computation per group: their KV is gathered into ``[Bd, Hkv, L, D]``
@@ -45,12 +45,13 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from pydantic import BaseModel, Field
 
-from modserve.attention_backends.paged_kernel import decode_kernel_problem
+from modserve.core.cpu_kernels import load_kernel
 from modserve.core.fp8 import FP8, fp8_to_float, to_fp8
 from modserve.core.interfaces import AttentionBackend, AttentionMetadata, AttentionSpec
 
@@ -107,6 +108,8 @@ class PagedAttentionState:
     prefills: list[PrefillPlan] = field(default_factory=list)
 
 
+DECODE_KERNEL = Path(__file__).parent / "csrc" / "paged_decode.cpp"
+
 # Decodes are sorted by length and attended in groups of this many, each padded to its
 # own longest: on the reference workload, padding every decode to the step's longest
 # gathered and multiplied 2.4x the keys there are; groups of 16 cut that to 1.36x.
@@ -124,7 +127,7 @@ class PagedAttention(AttentionBackend):
         self._scales = (spec.scale * spec.k_scale, spec.v_scale) if self.fp8 else (spec.scale, 1.0)
         self.kernel = (self.options.cpu_kernel and spec.device.type == "cpu" and spec.dtype == torch.float32
                        and spec.kv_cache_dtype == torch.float32 and spec.head_dim % 8 == 0
-                       and decode_kernel_problem() is None)
+                       and load_kernel("modserve_paged_decode", str(DECODE_KERNEL)) is None)
 
     def kv_cache_problem(self) -> str | None:
         if self.spec.kv_cache_dtype in (self.spec.dtype, FP8):

@@ -1,18 +1,20 @@
-"""torch.compile for the ops around attention, and the 16-bit weights of batch-1 decode.
+"""torch.compile for the ops around attention, and the 16-bit weights of few-row steps.
 
-A decode step of one sequence on a CPU is bound by memory bandwidth: every weight is
-read once per token. Two things make it cheaper, and both need the compiler:
+A decode step of a few sequences on a CPU is bound by memory bandwidth: every weight is
+read once per token. Two things make it cheaper:
 
 - The ~50 small ops of a layer (norms, RoPE, SiLU, residual adds) cost more in
   dispatch than in arithmetic. A model hands its layer to :func:`compiler`
   (``CausalLM.compile_regions``), so it becomes one inductor graph; attention inside
   it is an opaque custom op (:mod:`modserve.core.forward_context`), so the backend
   stays a plugin, called eagerly.
-- A bfloat16 checkpoint's weights are exact in bfloat16. For a single row, a
-  compiled GEMV (:func:`linear_or_gemv`) reads that 16-bit copy and accumulates in
-  float32: half the bytes of the float32 GEMV with float32 results, which a plain
-  bf16 matmul (bf16 output, 6-300x slower GEMMs here) does not give. Prefill and
-  batched decode keep float32 weights and GEMMs.
+- A bfloat16 checkpoint's weights are exact in bfloat16. For up to 8 rows, a C++
+  kernel (``csrc/bf16_linear.cpp``, :func:`few_rows_linear`) reads that 16-bit copy
+  once for all rows and accumulates in float32: half the bytes of float32 weights, with
+  float32 results, which a plain bf16 matmul (bf16 output, 6-300x slower GEMMs here)
+  does not give. Where the kernel cannot be built, or for a float16 copy, a compiled
+  GEMV does the same for a single row. Prefill and larger batches keep float32 weights
+  and GEMMs.
 
 ``dynamic=True`` makes one graph for every batch size >= 2; dynamo specializes size 1
 by itself, which is the graph that takes the GEMV branch.
@@ -26,6 +28,8 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from modserve.core.cpu_kernels import bf16_linear_ready
 
 logger = logging.getLogger("modserve")
 
@@ -68,25 +72,59 @@ def decode_weight_dtype(dtype_setting: str, compute: torch.dtype, checkpoint: to
                     "would round it)", str(checkpoint).removeprefix("torch."))
         return None
     if not compiled:
-        logger.info("dtype auto: decode reads float32 weights (the 16-bit decode GEMV needs compile on)")
+        logger.info("dtype auto: decode reads float32 weights (the 16-bit decode weights need compile on)")
         return None
-    logger.info("dtype auto: prefill and batched decode in float32; single-sequence decode reads the "
-                "checkpoint's %s weights (half the bytes) and accumulates in float32",
-                str(checkpoint).removeprefix("torch."))
+    global _bf16_kernel
+    _bf16_kernel = _bf16_kernel or (checkpoint == torch.bfloat16 and bf16_linear_ready())
+    rows = "steps of up to 8 sequences read" if checkpoint == torch.bfloat16 and _bf16_kernel \
+        else "single-sequence decode reads"
+    logger.info("dtype auto: prefill and larger batches in float32; %s the checkpoint's %s weights "
+                "(half the bytes) and accumulate in float32", rows, str(checkpoint).removeprefix("torch."))
     return checkpoint
+
+
+# Whether torch.ops.modserve_cpu.bf16_linear is loaded: set where decode weights are chosen, a
+# plain global so compiled regions read it as a constant.
+_bf16_kernel = False
+
+# Most rows the bf16 kernel takes; beyond, float32 GEMMs win (it re-reads x per row block).
+FEW_ROWS = 8
 
 
 def linear_or_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                    decode_weight: torch.Tensor | None, packed_weight: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear(x, weight, bias)``; for one row inside a compiled region, the same from the
-    16-bit ``decode_weight`` ([out, in]) as one fused upcast-multiply-sum over ``in``; with a
-    oneDNN ``packed_weight`` (:mod:`modserve.core.prepack`), oneDNN's GEMM on it."""
+    """``F.linear(x, weight, bias)``, by the fastest route the layer has: with a bfloat16
+    ``decode_weight`` ([out, in]) and the kernel built, :func:`few_rows_linear`; for one
+    row inside a compiled region, the 16-bit ``decode_weight`` as one fused
+    upcast-multiply-sum over ``in``; with a oneDNN ``packed_weight``
+    (:mod:`modserve.core.prepack`), oneDNN's GEMM on it."""
+    if decode_weight is not None and decode_weight.dtype == torch.bfloat16 and _bf16_kernel:
+        return torch.ops.modserve.few_rows_linear(x, weight, decode_weight, packed_weight, bias)
     if decode_weight is not None and x.shape[0] == 1 and torch.compiler.is_compiling():
         y = (x.unsqueeze(1) * decode_weight.to(x.dtype)).sum(-1)  # [1, out], float32 accumulation
         return y if bias is None else y + bias
     if packed_weight is not None:
         return torch.ops.modserve.packed_linear(x, packed_weight, bias)
     return F.linear(x, weight, bias)
+
+
+@torch.library.custom_op("modserve::few_rows_linear", mutates_args=())
+def few_rows_linear(x: torch.Tensor, weight: torch.Tensor, decode_weight: torch.Tensor,
+                    packed_weight: torch.Tensor | None, bias: torch.Tensor | None) -> torch.Tensor:
+    """Up to :data:`FEW_ROWS` rows: the C++ kernel on the bf16 ``decode_weight``; more:
+    float32 (oneDNN on ``packed_weight`` if there is one). An opaque op, so the row count
+    is read at run time and the compiled graph for 2+ rows serves both."""
+    if x.shape[0] <= FEW_ROWS:
+        return torch.ops.modserve_cpu.bf16_linear(x, decode_weight, bias)
+    if packed_weight is not None:
+        return torch.ops.modserve.packed_linear(x, packed_weight, bias)
+    return F.linear(x, weight, bias)
+
+
+@few_rows_linear.register_fake
+def _(x: torch.Tensor, weight: torch.Tensor, decode_weight: torch.Tensor, packed_weight: torch.Tensor | None,
+      bias: torch.Tensor | None) -> torch.Tensor:
+    return x.new_empty(x.shape[0], weight.shape[0])
 
 
 def add_decode_weights(model: nn.Module, dtype: torch.dtype) -> int:

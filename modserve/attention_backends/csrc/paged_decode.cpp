@@ -6,7 +6,7 @@
 // path it replaces gathered keys and values into [B, Hkv, L, D] buffers first, so it
 // moved every byte three times; this reads each once.
 //
-// Registered as torch.ops.modserve_paged.decode (see paged_kernel.py, which builds it).
+// Registered as torch.ops.modserve_paged.decode (built by modserve/core/cpu_kernels.py).
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>

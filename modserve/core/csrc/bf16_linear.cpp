@@ -1,0 +1,99 @@
+// y = x @ W.T (+ b) for a few float32 rows x against bfloat16 weights W, accumulating in
+// float32, on the CPU.
+//
+// With a handful of rows a linear layer is bound by reading its weights. A bfloat16
+// checkpoint's weights are exact in bfloat16, so reading that copy moves half the bytes
+// of float32 ones and gives float32 results (a bf16 value widened is a float32 with
+// zeroed low bits). Every weight row is read once for all rows of x: threads split the
+// output features, and x (a few rows of `in` floats) stays in cache.
+//
+// Registered as torch.ops.modserve_cpu.bf16_linear (built by modserve/core/cpu_kernels.py).
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <cstdint>
+#include <cstring>
+
+namespace {
+
+typedef float v8 __attribute__((vector_size(32)));
+typedef uint32_t u8x32 __attribute__((vector_size(32)));
+typedef uint16_t u8x16 __attribute__((vector_size(16)));
+
+inline v8 load8(const float* p) {
+  v8 r;
+  std::memcpy(&r, p, sizeof r);
+  return r;
+}
+
+inline v8 load8_bf16(const uint16_t* p) {  // eight bfloat16 -> eight float32
+  u8x16 h;
+  std::memcpy(&h, p, sizeof h);
+  const u8x32 w = __builtin_convertvector(h, u8x32) << 16;
+  v8 r;
+  std::memcpy(&r, &w, sizeof r);
+  return r;
+}
+
+inline float hsum(v8 v) {
+  const v8 a = v + __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3);
+  const v8 b = a + __builtin_shufflevector(a, a, 2, 3, 0, 1, 6, 7, 4, 5);
+  return b[0] + b[1];
+}
+
+constexpr int64_t kMaxRows = 8;  // accumulators stay in registers
+
+template <int64_t M>
+void rows_times_weights(const float* x, const uint16_t* w, const float* bias, float* y, int64_t K, int64_t N,
+                        int64_t n_begin, int64_t n_end) {
+  for (int64_t n = n_begin; n < n_end; ++n) {
+    const uint16_t* wn = w + n * K;
+    v8 acc[M] = {};
+    for (int64_t k = 0; k < K; k += 8) {
+      const v8 wv = load8_bf16(wn + k);
+      for (int64_t m = 0; m < M; ++m) acc[m] += load8(x + m * K + k) * wv;
+    }
+    const float b = bias ? bias[n] : 0.f;
+    for (int64_t m = 0; m < M; ++m) y[m * N + n] = hsum(acc[m]) + b;
+  }
+}
+
+at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x.device().is_cpu() && weight.device().is_cpu(), "modserve_cpu.bf16_linear: CPU tensors only");
+  TORCH_CHECK(x.scalar_type() == at::kFloat && weight.scalar_type() == at::kBFloat16,
+              "modserve_cpu.bf16_linear: float32 x, bfloat16 weight");
+  TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && x.size(1) == weight.size(1),
+              "modserve_cpu.bf16_linear: x [M, K], weight [N, K]");
+  const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
+  TORCH_CHECK(M <= kMaxRows && K % 8 == 0, "modserve_cpu.bf16_linear: at most 8 rows, K a multiple of 8");
+  const at::Tensor xc = x.contiguous(), wc = weight.contiguous();
+  const at::Tensor b = bias.has_value() ? bias->to(at::kFloat).contiguous() : at::Tensor();
+  at::Tensor y = at::empty({M, N}, x.options());
+  const float* xp = xc.data_ptr<float>();
+  const uint16_t* wp = reinterpret_cast<const uint16_t*>(wc.data_ptr<at::BFloat16>());
+  const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
+  float* yp = y.data_ptr<float>();
+  // grain: at least 64 output features (~100 KB of weights) per task
+  at::parallel_for(0, N, 64, [&](int64_t begin, int64_t end) {
+    switch (M) {
+      case 1: rows_times_weights<1>(xp, wp, bp, yp, K, N, begin, end); break;
+      case 2: rows_times_weights<2>(xp, wp, bp, yp, K, N, begin, end); break;
+      case 3: rows_times_weights<3>(xp, wp, bp, yp, K, N, begin, end); break;
+      case 4: rows_times_weights<4>(xp, wp, bp, yp, K, N, begin, end); break;
+      case 5: rows_times_weights<5>(xp, wp, bp, yp, K, N, begin, end); break;
+      case 6: rows_times_weights<6>(xp, wp, bp, yp, K, N, begin, end); break;
+      case 7: rows_times_weights<7>(xp, wp, bp, yp, K, N, begin, end); break;
+      default: rows_times_weights<8>(xp, wp, bp, yp, K, N, begin, end); break;
+    }
+  });
+  return y;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(modserve_cpu, m) {
+  m.def("bf16_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
+  m.impl("bf16_linear", c10::DispatchKey::CPU, TORCH_FN(bf16_linear));
+}

@@ -1,0 +1,47 @@
+"""The core's C++ CPU kernel: float32 rows against bfloat16 weights (few-row steps)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from modserve.core.compile import FEW_ROWS, few_rows_linear
+from modserve.core.cpu_kernels import bf16_linear_ready
+
+
+@pytest.fixture(scope="module", autouse=True)
+def kernel():
+    assert bf16_linear_ready(), "the C++ kernel did not build here (see the warning logged)"
+
+
+@pytest.mark.parametrize("rows", range(1, FEW_ROWS + 1))
+@pytest.mark.parametrize("bias", [False, True])
+def test_bf16_linear_matches_float32_on_the_same_weights(rows, bias):
+    g = torch.Generator().manual_seed(rows)
+    w = torch.randn(200, 64, generator=g).bfloat16()  # 200: not a multiple of the 64-feature grain
+    x = torch.randn(rows, 64, generator=g)
+    b = torch.randn(200, generator=g) if bias else None
+    expected = F.linear(x.double(), w.double(), None if b is None else b.double())
+    torch.testing.assert_close(torch.ops.modserve_cpu.bf16_linear(x, w, b).double(), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_few_rows_linear_takes_float32_weights_beyond_eight_rows():
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(32, 16, generator=g).bfloat16().float()
+    x = torch.randn(FEW_ROWS + 1, 16, generator=g)
+    out = few_rows_linear(x, w, w.bfloat16(), None, None)
+    assert torch.equal(out, F.linear(x, w))  # the float32 GEMM itself, bit for bit
+    few = few_rows_linear(x[:FEW_ROWS], w, w.bfloat16(), None, None)
+    torch.testing.assert_close(few, F.linear(x[:FEW_ROWS], w), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("x, w, message", [
+    (torch.zeros(9, 16), torch.zeros(4, 16, dtype=torch.bfloat16), "at most 8 rows"),
+    (torch.zeros(2, 12), torch.zeros(4, 12, dtype=torch.bfloat16), "K a multiple of 8"),
+    (torch.zeros(2, 16), torch.zeros(4, 16), "float32 x, bfloat16 weight"),
+    (torch.zeros(2, 16), torch.zeros(4, 8, dtype=torch.bfloat16), r"x \[M, K\], weight \[N, K\]"),
+])
+def test_bf16_linear_names_what_is_wrong(x, w, message):
+    with pytest.raises(RuntimeError, match=message):
+        torch.ops.modserve_cpu.bf16_linear(x, w, None)
