@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import math
 import os
@@ -231,11 +232,11 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture
-def fake_server():
-    """A minimal OpenAI-style SSE server: one chunk per token, 2 ms apart; 'fail' prompts get a 500."""
+@contextlib.contextmanager
+def _fake_server(delay: float = 0.002):
+    """A minimal OpenAI-style SSE server: one chunk per token, ``delay`` s apart; 'fail' prompts get a 500."""
     app = FastAPI()
-    state = {"in_flight": 0, "max_in_flight": 0, "bodies": []}
+    state = {"in_flight": 0, "max_in_flight": 0, "bodies": [], "times": []}
 
     @app.get("/v1/models")
     async def models():
@@ -245,6 +246,7 @@ def fake_server():
     async def completions(request: Request):
         body = await request.json()
         state["bodies"].append(body)
+        state["times"].append(time.monotonic())
         if body["prompt"] == "fail":
             return JSONResponse({"error": {"message": "boom"}}, status_code=500)
 
@@ -253,7 +255,7 @@ def fake_server():
             state["max_in_flight"] = max(state["max_in_flight"], state["in_flight"])
             try:
                 for _ in range(body["max_tokens"]):
-                    await asyncio.sleep(0.002)
+                    await asyncio.sleep(delay)
                     yield f'data: {json.dumps({"choices": [{"index": 0, "text": "x"}]})}\n\n'
                 usage = {"prompt_tokens": 7, "completion_tokens": body["max_tokens"]}
                 yield f'data: {json.dumps({"choices": [], "usage": usage})}\n\n'
@@ -268,9 +270,38 @@ def fake_server():
     thread.start()
     while not server.started:
         time.sleep(0.01)
-    yield f"http://127.0.0.1:{server.config.port}", state
-    server.should_exit = True
-    thread.join(5)
+    try:
+        yield f"http://127.0.0.1:{server.config.port}", state
+    finally:
+        server.should_exit = True
+        thread.join(5)
+
+
+@pytest.fixture
+def fake_server():
+    with _fake_server() as served:
+        yield served
+
+
+def test_bench_serve_against_a_baseline_server_interleaves_and_plots(llama_dir, tmp_path, capsys):
+    with _fake_server(0.002) as (fast_url, fast), _fake_server(0.008) as (slow_url, slow):
+        result_json, plot = tmp_path / "serve.json", tmp_path / "serve.png"
+        rc = main(["bench", "serve", "--base-url", fast_url, "--baseline-url", slow_url, "--names", "fast", "slow",
+                   "--workload", "random", "--tokenizer", llama_dir, "--num-prompts", "4", "--input-len", "8",
+                   "--output-len", "5", "--request-rate", "50", "--repeats", "2", "--warmups", "0",
+                   "--result-json", str(result_json), "--plot", str(plot)])
+    assert rc == 0
+    out = capsys.readouterr().out
+    assert "fast / slow" in out and "completed 16, failed 0" in out
+    itl_row = next(line for line in out.splitlines() if line.startswith("| ITL median ms"))
+    ratio = float(itl_row.rstrip(" |").rsplit("|", 1)[1].split()[0].rstrip("x"))
+    assert 0.1 < ratio < 0.6  # 2 ms against 8 ms a token
+    # interleaved: fast run 1, slow run 1, fast run 2, slow run 2
+    assert max(fast["times"][:4]) < min(slow["times"][:4]) and max(slow["times"][:4]) < min(fast["times"][4:])
+    assert min(fast["times"][4:]) < min(slow["times"][4:])
+    saved = json.loads(result_json.read_text())
+    assert [len(saved[name]["runs"]) for name in ("fast", "slow")] == [2, 2]
+    assert plot.stat().st_size > 10_000
 
 
 def test_serve_client_against_fake_server(fake_server):

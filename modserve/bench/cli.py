@@ -67,6 +67,11 @@ def add_parsers(sub: Any) -> None:
     p.add_argument("--request-timeout", type=float, default=600.0)
     add_pinning_flags(p, warmups="warm-up requests sent (one at a time) before each timed run", threads=False)
     p.add_argument("--result-json", help="write the full result (every request's timings) here")
+    p.add_argument("--baseline-url", help="a second server (vLLM, say) run interleaved with the first, "
+                   "the same workload and arrivals: both columns, their ratio, and latency CDFs in a PNG")
+    p.add_argument("--names", nargs=2, default=["server", "baseline"], metavar=("FIRST", "BASELINE"),
+                   help="column names of --base-url and --baseline-url")
+    p.add_argument("--plot", default="build/serve.png", help="with --baseline-url: the PNG's path")
     p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("compare", help="A/B two engine configs: agreement, logits, speed")
@@ -264,30 +269,53 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
         tokenizer = AutoTokenizer.from_pretrained(args.tokenizer, local_files_only=True)
     requests = load_workload(args, tokenizer)
-    settings = ServeSettings(args.base_url, args.endpoint, args.model, args.request_rate, args.burstiness,
-                             args.max_concurrency, args.warmups, slos, args.seed, args.request_timeout)
-    results = []
+    urls = dict(zip(args.names, [args.base_url, args.baseline_url])) if args.baseline_url \
+        else {"server": args.base_url}
+    settings = {name: ServeSettings(url, args.endpoint, args.model, args.request_rate, args.burstiness,
+                                    args.max_concurrency, args.warmups, slos, args.seed, args.request_timeout)
+                for name, url in urls.items()}
+    results: dict[str, list[dict[str, Any]]] = {name: [] for name in urls}
     try:
-        for i in range(args.repeats):
-            settings.seed = args.seed + i
-            results.append(run(settings, requests))
+        for i in range(args.repeats):  # interleaved: A, B, A, B, ... with the same arrivals per pair
+            for name, s in settings.items():
+                s.seed = args.seed + i
+                results[name].append(run(s, requests))
     except (OSError, RuntimeError, httpx.HTTPError) as e:  # no server there, or it refused the warm-up
-        print(f"error: {args.base_url}: {type(e).__name__}: {e}", file=sys.stderr)
+        print(f"error: {s.base_url}: {type(e).__name__}: {e}", file=sys.stderr)
         return 2
-    first = results[0]
+    for name, url in urls.items():
+        first = results[name][0]
+        print(f"{name}: {url}{args.endpoint}, model {first['model']}")
+    first = next(iter(results.values()))[0]
     rate = "all at once" if first["request_rate"] is None else f"{first['request_rate']} req/s"
-    print(f"server: {args.base_url}{args.endpoint}, model {first['model']}; client: {pinning}")
+    print(f"client: {pinning}")
     print(f"workload: {args.workload}, {len(requests)} requests; arrivals {rate}, burstiness "
           f"{args.burstiness}, max concurrency {args.max_concurrency or 'unlimited'}")
-    failed = sum(r["failed"] for r in results)
-    print(f"completed {sum(r['completed'] for r in results)}, failed {failed}" +
-          (f" (first error: {_first_error(results)})" if failed else ""))
+    runs = [r for per_server in results.values() for r in per_server]
+    failed = sum(r["failed"] for r in runs)
+    print(f"completed {sum(r['completed'] for r in runs)}, failed {failed}" +
+          (f" (first error: {_first_error(runs)})" if failed else ""))
     if slos:
         print("goodput SLOs: " + ", ".join(f"{k} <= {v * 1e3:g} ms" for k, v in slos.items()))
-    print(f"median [min-max] over {args.repeats} runs")
-    print(spread_table({"server": [headline(r) for r in results]}, digits=1))
-    _write_json(args.result_json, {"runs": results})
+    print(f"median [min-max] over {args.repeats} runs" + (", ratios per interleaved pair" if len(urls) == 2 else ""))
+    print(spread_table({name: [headline(r) for r in per_server] for name, per_server in results.items()}, digits=1))
+    if args.baseline_url:
+        from modserve.bench.report import plot_compare
+
+        Path(args.plot).parent.mkdir(parents=True, exist_ok=True)
+        plot_compare(args.plot, {name: serve_latencies(per_server) for name, per_server in results.items()},
+                     {name: [r["output_throughput"] for r in per_server] for name, per_server in results.items()})
+        print(f"wrote {args.plot}")
+    _write_json(args.result_json, {name: {"runs": per_server} for name, per_server in results.items()}
+                if args.baseline_url else {"runs": results["server"]})
     return 0 if not failed else 1
+
+
+def serve_latencies(runs: list[dict[str, Any]]) -> dict[str, list[float]]:
+    """Every successful request's TTFT and E2E, and every inter-token gap, over all runs (s)."""
+    done = [req for r in runs for req in r["requests"] if not req["error"]]
+    return {"TTFT": [req["ttft"] for req in done], "ITL": [x for req in done for x in req["itl"]],
+            "E2E": [req["e2el"] for req in done]}
 
 
 def _first_error(results: list[dict[str, Any]]) -> str:
