@@ -2,9 +2,9 @@
 
 Starts `modserve serve` on a free port, asks `/v1/completions` for one token (the
 official `openai` client, retrying while the server is not up), and prints the seconds
-from `Popen` to that reply. `--cold` points inductor at an empty cache directory, so a
-compiled model pays its full first compile; without it the machine's cache is used, as
-on every start after the first.
+from `Popen` to that reply. `--cold` points inductor and torch's C++ extension builds at an empty cache
+directory, so a compiled model pays its full first compile and the C++ kernels their
+first build; without it the machine's caches are used, as on every start after the first.
 
     .venv/bin/python scripts/startup_time.py --model build/ref-small --repeats 3 [--cold]
 """
@@ -35,6 +35,7 @@ def one_start(model: str, extra: list[str], cold: bool, timeout: float) -> float
     cache = tempfile.TemporaryDirectory(prefix="inductor-cold-") if cold else None
     if cache:
         env["TORCHINDUCTOR_CACHE_DIR"] = cache.name
+        env["TORCH_EXTENSIONS_DIR"] = os.path.join(cache.name, "extensions")
     cmd = [sys.executable, "-m", "modserve.cli", "--log-level", "WARNING", "serve", "--model", model,
            "--port", str(port), *extra]
     client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="-", max_retries=0, timeout=60)
@@ -62,7 +63,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", required=True)
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--cold", action="store_true", help="empty inductor cache for every start")
+    ap.add_argument("--cold", action="store_true", help="empty inductor and C++ extension caches for every start")
     ap.add_argument("--timeout", type=float, default=600)
     args, extra = ap.parse_known_args()  # anything else goes to `modserve serve`
     times = []

@@ -7,8 +7,10 @@ start-up does, to check that nothing but the protocol reaches the pipe. No vLLM 
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 
@@ -56,7 +58,7 @@ def fake_vllm(tmp_path, monkeypatch):
     (tmp_path / "vllm").mkdir()
     (tmp_path / "vllm" / "__init__.py").write_text(textwrap.dedent(FAKE_VLLM))
     monkeypatch.setenv("PYTHONPATH", str(tmp_path))
-    monkeypatch.setattr(vllm_baseline, "SETTLE_S", 0.0)  # the fake does not spin
+    monkeypatch.setattr(vllm_baseline, "SETTLE_MIN_S", 0.0)  # the fake does not spin
     return tmp_path
 
 
@@ -113,3 +115,18 @@ def test_bench_latency_with_vllm(fake_vllm, llama_dir, capsys):
     out = capsys.readouterr().out
     assert "modserve / vllm: decode tok/s " in out
     assert "vllm TTFT and TPOT from a 1-token run" in out and "of the h100 single-stream ceiling" in out
+
+
+def test_wait_until_idle_waits_out_a_spinning_grandchild():
+    """As vLLM's model worker (a grandchild of the runner's process) polls after a step."""
+    spin = "import time; end = time.time() + 1.5\nwhile time.time() < end: pass\ntime.sleep(60)"
+    parent = subprocess.Popen([sys.executable, "-c",
+                               f"import subprocess, sys; subprocess.run([sys.executable, '-c', {spin!r}])"])
+    try:
+        time.sleep(0.3)  # the grandchild is spinning by now
+        waited = vllm_baseline.wait_until_idle(parent.pid, min_s=0.1)
+        assert 1.0 < waited < 6.0
+        assert vllm_baseline.wait_until_idle(parent.pid, min_s=0.1) < 0.8  # idle now: one window
+    finally:
+        parent.kill()
+        parent.wait()

@@ -21,9 +21,49 @@ from modserve.bench.workloads import BenchRequest
 
 WORKER = Path(__file__).with_name("vllm_worker.py")
 KVCACHE_GIB = "4"  # vLLM's CPU KV cache when the caller sets none; ample for benchmark contexts
-# vLLM's model worker busy-polls its input queue for 1 s after each step (shm_broadcast's
-# SpinCondition), a full core: wait that out, untimed, so the next runner gets the machine.
-SETTLE_S = 1.5
+# vLLM's model worker busy-polls its input queue after each step (shm_broadcast's
+# SpinCondition), a full core for a second or more: wait, untimed, until its processes are
+# idle, so the next runner gets the machine.
+SETTLE_MIN_S, SETTLE_MAX_S = 1.0, 20.0
+IDLE_SHARE = 0.1  # of one core, over a 0.25 s window
+
+
+def tree_cpu_seconds(pid: int) -> float:
+    """CPU seconds (user + system) used so far by ``pid`` and all its descendants (Linux /proc)."""
+    parent, cpu = {}, {}
+    tick = os.sysconf("SC_CLK_TCK")
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()  # after "pid (comm)"
+        except OSError:  # the process ended meanwhile
+            continue
+        parent[int(entry)] = int(fields[1])
+        cpu[int(entry)] = (int(fields[11]) + int(fields[12])) / tick
+    tree, frontier = {pid}, [pid]
+    while frontier:
+        children = [p for p, pp in parent.items() if pp in frontier and p not in tree]
+        tree.update(children)
+        frontier = children
+    return sum(cpu.get(p, 0.0) for p in tree)
+
+
+def wait_until_idle(pid: int, min_s: float = SETTLE_MIN_S, max_s: float = SETTLE_MAX_S,
+                    window_s: float = 0.25) -> float:
+    """Block until ``pid``'s process tree uses under ``IDLE_SHARE`` of a core over a window (at
+    least ``min_s``, at most ``max_s``); returns the seconds waited."""
+    start = time.perf_counter()
+    time.sleep(min_s)
+    before = tree_cpu_seconds(pid)
+    while time.perf_counter() - start < max_s:
+        time.sleep(window_s)
+        now = tree_cpu_seconds(pid)
+        if now - before < IDLE_SHARE * window_s:
+            break
+        before = now
+    return time.perf_counter() - start
 
 
 class VLLMUnavailable(RuntimeError):
@@ -92,7 +132,7 @@ class VLLMRunner:
         self.proc.stdin.write(json.dumps(cmd) + "\n")
         self.proc.stdin.flush()
         reply = self._receive()
-        time.sleep(SETTLE_S)
+        wait_until_idle(self.proc.pid, SETTLE_MIN_S)
         return reply
 
     def run(self, requests: Sequence[BenchRequest]) -> Run:
