@@ -6,13 +6,17 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from modserve.core.compile import FEW_ROWS, few_rows_linear
-from modserve.core.cpu_kernels import bf16_linear_ready
+from modserve.core.compile import FEW_ROWS, load_few_rows_kernel
+from modserve.core.prepack import packed_linear
 
 
 @pytest.fixture(scope="module", autouse=True)
 def kernel():
-    assert bf16_linear_ready(), "the C++ kernel did not build here (see the warning logged)"
+    assert load_few_rows_kernel(), "the C++ kernel did not build here (see the warning logged)"
+
+
+def few_rows_linear(*args):
+    return torch.ops.modserve_cpu.few_rows_linear(*args)
 
 
 @pytest.mark.parametrize("rows", range(1, FEW_ROWS + 1))
@@ -34,6 +38,10 @@ def test_few_rows_linear_takes_float32_weights_beyond_eight_rows():
     assert torch.equal(out, F.linear(x, w))  # the float32 GEMM itself, bit for bit
     few = few_rows_linear(x[:FEW_ROWS], w, w.bfloat16(), None, None)
     torch.testing.assert_close(few, F.linear(x[:FEW_ROWS], w), rtol=1e-5, atol=1e-5)
+    packed = torch.ops.mkldnn._reorder_linear_weight(w, None)  # beyond 8 rows, with a packed copy: oneDNN
+    b = torch.randn(32, generator=g)
+    torch.testing.assert_close(few_rows_linear(x, w, w.bfloat16(), packed, b), packed_linear(x, packed, b),
+                               rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("x, w, message", [

@@ -9,7 +9,7 @@ read once per token. Two things make it cheaper:
   it is an opaque custom op (:mod:`modserve.core.forward_context`), so the backend
   stays a plugin, called eagerly.
 - A bfloat16 checkpoint's weights are exact in bfloat16. For up to 8 rows, a C++
-  kernel (``csrc/bf16_linear.cpp``, :func:`few_rows_linear`) reads that 16-bit copy
+  kernel (``csrc/bf16_linear.cpp``, ``modserve_cpu::few_rows_linear``) reads that 16-bit copy
   once for all rows and accumulates in float32: half the bytes of float32 weights, with
   float32 results, which a plain bf16 matmul (bf16 output, 6-300x slower GEMMs here)
   does not give. Where the kernel cannot be built, or for a float16 copy, a compiled
@@ -22,6 +22,7 @@ by itself, which is the graph that takes the GEMV branch.
 
 from __future__ import annotations
 
+import functools
 import logging
 from typing import Any, Callable
 
@@ -75,7 +76,7 @@ def decode_weight_dtype(dtype_setting: str, compute: torch.dtype, checkpoint: to
         logger.info("dtype auto: decode reads float32 weights (the 16-bit decode weights need compile on)")
         return None
     global _bf16_kernel
-    _bf16_kernel = _bf16_kernel or (checkpoint == torch.bfloat16 and bf16_linear_ready())
+    _bf16_kernel = _bf16_kernel or (checkpoint == torch.bfloat16 and load_few_rows_kernel())
     rows = "steps of up to 8 sequences read" if checkpoint == torch.bfloat16 and _bf16_kernel \
         else "single-sequence decode reads"
     logger.info("dtype auto: prefill and larger batches in float32; %s the checkpoint's %s weights "
@@ -94,12 +95,13 @@ FEW_ROWS = 8
 def linear_or_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                    decode_weight: torch.Tensor | None, packed_weight: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear(x, weight, bias)``, by the fastest route the layer has: with a bfloat16
-    ``decode_weight`` ([out, in]) and the kernel built, :func:`few_rows_linear`; for one
+    ``decode_weight`` ([out, in]) and the kernel built, ``modserve_cpu::few_rows_linear``
+    (up to :data:`FEW_ROWS` rows from the bf16 copy, more in float32); for one
     row inside a compiled region, the 16-bit ``decode_weight`` as one fused
     upcast-multiply-sum over ``in``; with a oneDNN ``packed_weight``
     (:mod:`modserve.core.prepack`), oneDNN's GEMM on it."""
     if decode_weight is not None and decode_weight.dtype == torch.bfloat16 and _bf16_kernel:
-        return torch.ops.modserve.few_rows_linear(x, weight, decode_weight, packed_weight, bias)
+        return torch.ops.modserve_cpu.few_rows_linear(x, weight, decode_weight, packed_weight, bias)
     if decode_weight is not None and x.shape[0] == 1 and torch.compiler.is_compiling():
         y = (x.unsqueeze(1) * decode_weight.to(x.dtype)).sum(-1)  # [1, out], float32 accumulation
         return y if bias is None else y + bias
@@ -108,23 +110,19 @@ def linear_or_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     return F.linear(x, weight, bias)
 
 
-@torch.library.custom_op("modserve::few_rows_linear", mutates_args=())
-def few_rows_linear(x: torch.Tensor, weight: torch.Tensor, decode_weight: torch.Tensor,
-                    packed_weight: torch.Tensor | None, bias: torch.Tensor | None) -> torch.Tensor:
-    """Up to :data:`FEW_ROWS` rows: the C++ kernel on the bf16 ``decode_weight``; more:
-    float32 (oneDNN on ``packed_weight`` if there is one). An opaque op, so the row count
-    is read at run time and the compiled graph for 2+ rows serves both."""
-    if x.shape[0] <= FEW_ROWS:
-        return torch.ops.modserve_cpu.bf16_linear(x, decode_weight, bias)
-    if packed_weight is not None:
-        return torch.ops.modserve.packed_linear(x, packed_weight, bias)
-    return F.linear(x, weight, bias)
-
-
-@few_rows_linear.register_fake
-def _(x: torch.Tensor, weight: torch.Tensor, decode_weight: torch.Tensor, packed_weight: torch.Tensor | None,
-      bias: torch.Tensor | None) -> torch.Tensor:
+def _few_rows_linear_fake(x: torch.Tensor, weight: torch.Tensor, decode_weight: torch.Tensor,
+                          packed_weight: torch.Tensor | None, bias: torch.Tensor | None) -> torch.Tensor:
     return x.new_empty(x.shape[0], weight.shape[0])
+
+
+@functools.cache
+def load_few_rows_kernel() -> bool:
+    """Load the C++ kernel and give ``modserve_cpu::few_rows_linear`` (up to :data:`FEW_ROWS`
+    rows: bf16 weights; more: float32) the shape function compiled regions trace it with."""
+    if not bf16_linear_ready():
+        return False
+    torch.library.register_fake("modserve_cpu::few_rows_linear")(_few_rows_linear_fake)
+    return True
 
 
 def add_decode_weights(model: nn.Module, dtype: torch.dtype) -> int:

@@ -7,10 +7,12 @@
 // zeroed low bits). Every weight row is read once for all rows of x: threads split the
 // output features, and x (a few rows of `in` floats) stays in cache.
 //
-// Registered as torch.ops.modserve_cpu.bf16_linear (built by modserve/core/cpu_kernels.py).
+// Registered as torch.ops.modserve_cpu.bf16_linear and .few_rows_linear (built by
+// modserve/core/cpu_kernels.py).
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
 
 #include <cstdint>
@@ -91,9 +93,29 @@ at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& weight, const c10:
   return y;
 }
 
+// The route a linear with a bf16 copy takes, chosen per call by its row count: up to
+// kMaxRows, bf16_linear on `decode_weight`; beyond, float32 (oneDNN's packed GEMM when the
+// layer has `packed_weight`, modserve::packed_linear from modserve/core/prepack.py). In C++
+// so a decode step's ~50 linears pay no Python dispatch.
+at::Tensor few_rows_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& decode_weight,
+                           const c10::optional<at::Tensor>& packed_weight, const c10::optional<at::Tensor>& bias) {
+  if (x.size(0) <= kMaxRows) return bf16_linear(x, decode_weight, bias);
+  if (packed_weight.has_value() && packed_weight->defined()) {
+    static const auto packed_linear =
+        c10::Dispatcher::singleton()
+            .findSchemaOrThrow("modserve::packed_linear", "")
+            .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const c10::optional<at::Tensor>&)>();
+    return packed_linear.call(x, *packed_weight, bias);
+  }
+  return at::linear(x, weight, bias);
+}
+
 }  // namespace
 
 TORCH_LIBRARY(modserve_cpu, m) {
   m.def("bf16_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
+  m.def("few_rows_linear(Tensor x, Tensor weight, Tensor decode_weight, Tensor? packed_weight, Tensor? bias) -> Tensor");
   m.impl("bf16_linear", c10::DispatchKey::CPU, TORCH_FN(bf16_linear));
+  // every backend: a oneDNN-packed weight makes a call dispatch as MkldnnCPU, not CPU
+  m.impl("few_rows_linear", c10::DispatchKey::CompositeExplicitAutograd, TORCH_FN(few_rows_linear));
 }
