@@ -284,7 +284,7 @@ def fake_server():
 
 
 def test_bench_serve_against_a_baseline_server_interleaves_and_plots(llama_dir, tmp_path, capsys):
-    with _fake_server(0.002) as (fast_url, fast), _fake_server(0.008) as (slow_url, slow):
+    with _fake_server(0.002) as (fast_url, fast), _fake_server(0.02) as (slow_url, slow):
         result_json, plot = tmp_path / "serve.json", tmp_path / "serve.png"
         rc = main(["bench", "serve", "--base-url", fast_url, "--baseline-url", slow_url, "--names", "fast", "slow",
                    "--workload", "random", "--tokenizer", llama_dir, "--num-prompts", "4", "--input-len", "8",
@@ -295,7 +295,7 @@ def test_bench_serve_against_a_baseline_server_interleaves_and_plots(llama_dir, 
     assert "fast / slow" in out and "completed 16, failed 0" in out
     itl_row = next(line for line in out.splitlines() if line.startswith("| ITL median ms"))
     ratio = float(itl_row.rstrip(" |").rsplit("|", 1)[1].split()[0].rstrip("x"))
-    assert 0.1 < ratio < 0.6  # 2 ms against 8 ms a token
+    assert ratio < 0.5  # 2 ms against 20 ms a token (a busy client only stretches the short gaps)
     # interleaved: fast run 1, slow run 1, fast run 2, slow run 2
     assert max(fast["times"][:4]) < min(slow["times"][:4]) and max(slow["times"][:4]) < min(fast["times"][4:])
     assert min(fast["times"][4:]) < min(slow["times"][4:])
@@ -322,7 +322,9 @@ def test_serve_client_against_fake_server(fake_server):
     itls = [x for r in result["requests"][:12] for x in r["itl"]]
     assert len(itls) == result["total_output_tokens"] - 12  # one gap per token after the first
     for r in result["requests"][:12]:  # the server waits 2 ms before each token
-        assert r["e2el"] - r["ttft"] >= (r["output_len"] - 1) * 0.002 * 0.9
+        # from the request's send, not its first token: a late-read first chunk (a busy
+        # client) shortens the gap after it, but nothing arrives before the server sent it
+        assert r["e2el"] >= r["output_len"] * 0.002 * 0.9 and r["ttft"] >= 0.002 * 0.9
     assert result["tpot_ms"]["mean"] > 0 and result["e2el_ms"]["p99"] >= result["ttft_ms"]["p99"]
 
 
