@@ -155,10 +155,11 @@ class PagedAttention(AttentionBackend):
         state.all_decodes = bool(decode_seqs) and len(decode_seqs) == meta.num_seqs
         if self.kernel and decode_seqs:
             state.kernel_decodes = self._kernel_decodes(meta, decode_seqs)
-        elif len(decode_seqs) > DECODE_GROUP:
-            decode_seqs.sort(key=lambda i: meta.seq_lens_cpu[i])
-        for g in range(0, len(decode_seqs) if state.kernel_decodes is None else 0, DECODE_GROUP):
-            state.decode_groups.append(self._decode_group(meta, decode_seqs[g : g + DECODE_GROUP], heads))
+        else:
+            if len(decode_seqs) > DECODE_GROUP:
+                decode_seqs.sort(key=lambda i: meta.seq_lens_cpu[i])
+            for g in range(0, len(decode_seqs), DECODE_GROUP):
+                state.decode_groups.append(self._decode_group(meta, decode_seqs[g : g + DECODE_GROUP], heads))
 
         starts = itertools.accumulate(meta.query_lens_cpu, initial=0)  # on the host: no device sync
         for i, (start, query_len) in enumerate(zip(starts, meta.query_lens_cpu)):

@@ -76,7 +76,8 @@ def decode_weight_dtype(dtype_setting: str, compute: torch.dtype, checkpoint: to
         logger.info("dtype auto: decode reads float32 weights (the 16-bit decode weights need compile on)")
         return None
     global _bf16_kernel
-    _bf16_kernel = _bf16_kernel or (checkpoint == torch.bfloat16 and load_few_rows_kernel())
+    if checkpoint == torch.bfloat16:
+        _bf16_kernel = load_few_rows_kernel()  # cached: the same answer for every model
     rows = "steps of up to 8 sequences read" if checkpoint == torch.bfloat16 and _bf16_kernel \
         else "single-sequence decode reads"
     logger.info("dtype auto: prefill and larger batches in float32; %s the checkpoint's %s weights "
@@ -84,8 +85,8 @@ def decode_weight_dtype(dtype_setting: str, compute: torch.dtype, checkpoint: to
     return checkpoint
 
 
-# Whether torch.ops.modserve_cpu.bf16_linear is loaded: set where decode weights are chosen, a
-# plain global so compiled regions read it as a constant.
+# Whether torch.ops.modserve_cpu.few_rows_linear is loaded (with its fake): set where decode
+# weights are chosen, a plain global so compiled regions read it as a constant.
 _bf16_kernel = False
 
 # Most rows the bf16 kernel takes; beyond, float32 GEMMs win (it re-reads x per row block).
@@ -125,14 +126,20 @@ def load_few_rows_kernel() -> bool:
     return True
 
 
-def add_decode_weights(model: nn.Module, dtype: torch.dtype) -> int:
-    """Give every float linear and the model's ``decode_weight_modules`` a ``decode_weight``
-    buffer in ``dtype``; returns the bytes batch-1 decode then reads (a quantized linear's
-    own weights count as they are)."""
+def float_weight_modules(model: nn.Module) -> list[nn.Module]:
+    """The modules whose float ``weight`` a 16-bit or packed copy may stand in for: every
+    unquantized linear, and the model's ``decode_weight_modules`` (the LM head)."""
     from modserve.core.linear import Linear, Unquantized
 
-    targets = [m for m in model.modules() if isinstance(m, Linear) and isinstance(m.quantizer, Unquantized)]
-    targets += model.decode_weight_modules()
+    linears = [m for m in model.modules() if isinstance(m, Linear) and isinstance(m.quantizer, Unquantized)]
+    return linears + model.decode_weight_modules()
+
+
+def add_decode_weights(model: nn.Module, dtype: torch.dtype) -> int:
+    """Give every :func:`float_weight_modules` module a ``decode_weight`` buffer in ``dtype``;
+    returns the bytes batch-1 decode then reads (a quantized linear's own weights count as
+    they are)."""
+    targets = float_weight_modules(model)
     for module in targets:
         module.register_buffer("decode_weight", module.weight.detach().to(dtype), persistent=False)
     copied = {id(m.weight) for m in targets}

@@ -23,7 +23,7 @@ import logging
 import torch
 from torch import nn
 
-from modserve.core.compile import AUTO_COMPILE_MIN_BYTES
+from modserve.core.compile import AUTO_COMPILE_MIN_BYTES, float_weight_modules
 
 logger = logging.getLogger("modserve")
 
@@ -52,14 +52,10 @@ def prepack_wanted(setting: str, device: torch.device, dtype: torch.dtype, weigh
 
 
 def add_packed_weights(model: nn.Module) -> int:
-    """Give every float linear and the model's ``decode_weight_modules`` (the LM head) a
-    ``packed_weight`` attribute; returns the bytes the packed copies take."""
-    from modserve.core.linear import Linear, Unquantized
-
-    targets = [m for m in model.modules() if isinstance(m, Linear) and isinstance(m.quantizer, Unquantized)]
-    targets += model.decode_weight_modules()
+    """Give every :func:`~modserve.core.compile.float_weight_modules` module (linears, the LM
+    head) a ``packed_weight`` attribute; returns the bytes the packed copies take."""
     total = 0
-    for module in targets:
+    for module in float_weight_modules(model):
         # A plain attribute, not a buffer: state_dict, .to() and model_bytes know nothing of
         # oneDNN's opaque layout.
         module.packed_weight = torch.ops.mkldnn._reorder_linear_weight(module.weight.detach(), None)
