@@ -21,10 +21,11 @@ def few_rows_linear(*args):
 
 @pytest.mark.parametrize("rows", range(1, FEW_ROWS + 1))
 @pytest.mark.parametrize("bias", [False, True])
-def test_bf16_linear_matches_float32_on_the_same_weights(rows, bias):
+@pytest.mark.parametrize("k", [64, 72])  # 72: the split accumulators' 16-32 columns do not divide it
+def test_bf16_linear_matches_float32_on_the_same_weights(rows, bias, k):
     g = torch.Generator().manual_seed(rows)
-    w = torch.randn(200, 64, generator=g).bfloat16()  # 200: not a multiple of the 64-feature grain
-    x = torch.randn(rows, 64, generator=g)
+    w = torch.randn(200, k, generator=g).bfloat16()  # 200: not a multiple of the 64-feature grain
+    x = torch.randn(rows, k, generator=g)
     b = torch.randn(200, generator=g) if bias else None
     expected = F.linear(x.double(), w.double(), None if b is None else b.double())
     torch.testing.assert_close(torch.ops.modserve_cpu.bf16_linear(x, w, b).double(), expected, rtol=1e-5, atol=1e-5)
