@@ -1,6 +1,7 @@
 """The compiled path (compile: on) against the oracle: transformers in float32 on a
-bfloat16 checkpoint, whose weights float32 holds exactly. Batch-1 decode then reads the
-16-bit copy through the compiled GEMV; greedy tokens must not change."""
+bfloat16 checkpoint, whose weights float32 holds exactly. Steps of up to 16 sequences then
+read the 16-bit copy (the C++ kernel, or the compiled GEMV for one row); greedy tokens must
+not change."""
 
 from __future__ import annotations
 
@@ -47,9 +48,11 @@ def test_compile_on_uses_the_16bit_decode_weights(compiled_llm):
 def test_compiled_greedy_matches_transformers_batched_and_alone(bf16_reference, compiled_llm):
     _, ids, expected = bf16_reference
     params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
-    together = compiled_llm.generate(ids, params, use_tqdm=False)  # decode batches of 4: float32 GEMMs
+    together = compiled_llm.generate(ids, params, use_tqdm=False)  # decode batches of 4: the bf16 kernel
     assert [o.outputs[0].token_ids for o in together] == expected
-    alone = [compiled_llm.generate([p], params, use_tqdm=False)[0] for p in ids]  # the batch-1 GEMV
+    many = compiled_llm.generate(ids * 5, params, use_tqdm=False)  # 20 rows: float32 GEMMs
+    assert [o.outputs[0].token_ids for o in many] == expected * 5
+    alone = [compiled_llm.generate([p], params, use_tqdm=False)[0] for p in ids]  # one row
     assert [o.outputs[0].token_ids for o in alone] == expected
 
 

@@ -31,7 +31,7 @@ def test_bf16_linear_matches_float32_on_the_same_weights(rows, bias, k):
     torch.testing.assert_close(torch.ops.modserve_cpu.bf16_linear(x, w, b).double(), expected, rtol=1e-5, atol=1e-5)
 
 
-def test_few_rows_linear_takes_float32_weights_beyond_eight_rows():
+def test_few_rows_linear_takes_float32_weights_beyond_few_rows():
     g = torch.Generator().manual_seed(0)
     w = torch.randn(32, 16, generator=g).bfloat16().float()
     x = torch.randn(FEW_ROWS + 1, 16, generator=g)
@@ -39,14 +39,14 @@ def test_few_rows_linear_takes_float32_weights_beyond_eight_rows():
     assert torch.equal(out, F.linear(x, w))  # the float32 GEMM itself, bit for bit
     few = few_rows_linear(x[:FEW_ROWS], w, w.bfloat16(), None, None)
     torch.testing.assert_close(few, F.linear(x[:FEW_ROWS], w), rtol=1e-5, atol=1e-5)
-    packed = torch.ops.mkldnn._reorder_linear_weight(w, None)  # beyond 8 rows, with a packed copy: oneDNN
+    packed = torch.ops.mkldnn._reorder_linear_weight(w, None)  # beyond 16 rows, with a packed copy: oneDNN
     b = torch.randn(32, generator=g)
     torch.testing.assert_close(few_rows_linear(x, w, w.bfloat16(), packed, b), packed_linear(x, packed, b),
                                rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("x, w, message", [
-    (torch.zeros(9, 16), torch.zeros(4, 16, dtype=torch.bfloat16), "at most 8 rows"),
+    (torch.zeros(17, 16), torch.zeros(4, 16, dtype=torch.bfloat16), "at most 16 rows"),
     (torch.zeros(2, 12), torch.zeros(4, 12, dtype=torch.bfloat16), "K a multiple of 8"),
     (torch.zeros(2, 16), torch.zeros(4, 16), "float32 x, bfloat16 weight"),
     (torch.zeros(2, 16), torch.zeros(4, 8, dtype=torch.bfloat16), r"x \[M, K\], weight \[N, K\]"),

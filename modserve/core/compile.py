@@ -8,7 +8,7 @@ read once per token. Two things make it cheaper:
   (``CausalLM.compile_regions``), so it becomes one inductor graph; attention inside
   it is an opaque custom op (:mod:`modserve.core.forward_context`), so the backend
   stays a plugin, called eagerly.
-- A bfloat16 checkpoint's weights are exact in bfloat16. For up to 8 rows, a C++
+- A bfloat16 checkpoint's weights are exact in bfloat16. For up to 16 rows, a C++
   kernel (``csrc/bf16_linear.cpp``, ``modserve_cpu::few_rows_linear``) reads that 16-bit copy
   once for all rows and accumulates in float32: half the bytes of float32 weights, with
   float32 results, which a plain bf16 matmul (bf16 output, 6-300x slower GEMMs here)
@@ -78,7 +78,7 @@ def decode_weight_dtype(dtype_setting: str, compute: torch.dtype, checkpoint: to
     global _bf16_kernel
     if checkpoint == torch.bfloat16:
         _bf16_kernel = load_few_rows_kernel()  # cached: the same answer for every model
-    rows = "steps of up to 8 sequences read" if checkpoint == torch.bfloat16 and _bf16_kernel \
+    rows = "steps of up to 16 sequences read" if checkpoint == torch.bfloat16 and _bf16_kernel \
         else "single-sequence decode reads"
     logger.info("dtype auto: prefill and larger batches in float32; %s the checkpoint's %s weights "
                 "(half the bytes) and accumulate in float32", rows, str(checkpoint).removeprefix("torch."))
@@ -89,8 +89,8 @@ def decode_weight_dtype(dtype_setting: str, compute: torch.dtype, checkpoint: to
 # weights are chosen, a plain global so compiled regions read it as a constant.
 _bf16_kernel = False
 
-# Most rows the bf16 kernel takes; beyond, float32 GEMMs win (it re-reads x per row block).
-FEW_ROWS = 8
+# Most rows the bf16 kernel takes (in passes of up to 8); beyond, float32 GEMMs win.
+FEW_ROWS = 16
 
 
 def linear_or_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,

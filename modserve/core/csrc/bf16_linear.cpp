@@ -16,6 +16,7 @@
 #include <torch/library.h>
 
 #include <cstdint>
+#include <algorithm>
 #include <cstring>
 
 namespace {
@@ -45,7 +46,8 @@ inline float hsum(v8 v) {
   return b[0] + b[1];
 }
 
-constexpr int64_t kMaxRows = 8;  // accumulators stay in registers
+constexpr int64_t kPassRows = 8;  // rows one pass over W takes: their accumulators stay in registers
+constexpr int64_t kMaxRows = 16;  // beyond two passes, float32 GEMMs win (measured here)
 
 // Row n of W is K contiguous bf16 values. U accumulators per row of x split K so the
 // FMAs of one output do not wait on each other (one chain runs at the FMA latency, below
@@ -89,7 +91,7 @@ at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& weight, const c10:
   TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && x.size(1) == weight.size(1),
               "modserve_cpu.bf16_linear: x [M, K], weight [N, K]");
   const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
-  TORCH_CHECK(M <= kMaxRows && K % 8 == 0, "modserve_cpu.bf16_linear: at most 8 rows, K a multiple of 8");
+  TORCH_CHECK(M <= kMaxRows && K % 8 == 0, "modserve_cpu.bf16_linear: at most 16 rows, K a multiple of 8");
   const at::Tensor xc = x.contiguous(), wc = weight.contiguous();
   const at::Tensor b = bias.has_value() ? bias->to(at::kFloat).contiguous() : at::Tensor();
   at::Tensor y = at::empty({M, N}, x.options());
@@ -97,19 +99,28 @@ at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& weight, const c10:
   const uint16_t* wp = reinterpret_cast<const uint16_t*>(wc.data_ptr<at::BFloat16>());
   const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
   float* yp = y.data_ptr<float>();
-  // grain: at least 64 output features (~100 KB of weights) per task
-  at::parallel_for(0, N, 64, [&](int64_t begin, int64_t end) {
-    switch (M) {
-      case 1: rows_times_weights<1, 4>(xp, wp, bp, yp, K, N, begin, end); break;
-      case 2: rows_times_weights<2, 2>(xp, wp, bp, yp, K, N, begin, end); break;
-      case 3: rows_times_weights<3, 2>(xp, wp, bp, yp, K, N, begin, end); break;
-      case 4: rows_times_weights<4, 2>(xp, wp, bp, yp, K, N, begin, end); break;
-      case 5: rows_times_weights<5, 1>(xp, wp, bp, yp, K, N, begin, end); break;
-      case 6: rows_times_weights<6, 1>(xp, wp, bp, yp, K, N, begin, end); break;
-      case 7: rows_times_weights<7, 1>(xp, wp, bp, yp, K, N, begin, end); break;
-      default: rows_times_weights<8, 1>(xp, wp, bp, yp, K, N, begin, end); break;
-    }
-  });
+  // More than 8 rows: equal passes of up to 8 (12 rows: 6 + 6), each reading W once. Two
+  // passes over bf16 weights move as many bytes as one over float32 ones, without the
+  // GEMM's cost per row (9-16 rows: 10-25% less time than oneDNN's packed GEMM here).
+  const int64_t passes = (M + kPassRows - 1) / kPassRows, per_pass = (M + passes - 1) / passes;
+  for (int64_t r = 0; r < M; r += per_pass) {
+    const int64_t rows = std::min(per_pass, M - r);
+    const float* xr = xp + r * K;
+    float* yr = yp + r * N;
+    // grain: at least 64 output features (~100 KB of weights) per task
+    at::parallel_for(0, N, 64, [&](int64_t begin, int64_t end) {
+      switch (rows) {
+        case 1: rows_times_weights<1, 4>(xr, wp, bp, yr, K, N, begin, end); break;
+        case 2: rows_times_weights<2, 2>(xr, wp, bp, yr, K, N, begin, end); break;
+        case 3: rows_times_weights<3, 2>(xr, wp, bp, yr, K, N, begin, end); break;
+        case 4: rows_times_weights<4, 2>(xr, wp, bp, yr, K, N, begin, end); break;
+        case 5: rows_times_weights<5, 1>(xr, wp, bp, yr, K, N, begin, end); break;
+        case 6: rows_times_weights<6, 1>(xr, wp, bp, yr, K, N, begin, end); break;
+        case 7: rows_times_weights<7, 1>(xr, wp, bp, yr, K, N, begin, end); break;
+        default: rows_times_weights<8, 1>(xr, wp, bp, yr, K, N, begin, end); break;
+      }
+    });
+  }
   return y;
 }
 
