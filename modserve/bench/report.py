@@ -51,7 +51,8 @@ def plot_compare(path: str | Path, latencies: dict[str, dict[str, list[float]]],
         for name, per_kind in latencies.items():
             xs = np.sort(np.asarray(per_kind[kind]) * 1e3)
             ax.step(xs, np.arange(1, len(xs) + 1) / max(len(xs), 1), where="post", label=name)
-        ax.set(title=f"{kind} CDF", xlabel="ms", ylabel="fraction of requests")
+        unit = "token gaps" if kind.upper() == "ITL" else "requests"  # ITL: every gap of every request
+        ax.set(title=f"{kind} CDF", xlabel="ms", ylabel=f"fraction of {unit}")
         ax.grid(alpha=0.3)
         ax.legend()
     ax = axes[-1]

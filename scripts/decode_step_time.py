@@ -1,0 +1,50 @@
+"""Time a decode step of N sequences: N requests prefilled, then 30 steps timed.
+
+Where the bf16 few-row kernel hands over to float32 GEMMs shows here: the step time for
+each batch size, and the ops that took the most of it (torch profiler, 10 more steps).
+
+    .venv/bin/python scripts/decode_step_time.py --model build/ref-small --batch-sizes 1 4 8 9 12 16 24
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4, 8, 16])
+    ap.add_argument("--steps", type=int, default=30)
+    args = ap.parse_args()
+    from torch.profiler import ProfilerActivity, profile
+
+    from modserve import LLM, SamplingParams
+
+    engine = LLM(args.model, progress=False).engine
+    print("| sequences | ms per step | tokens/s | top ops (ms per step) |\n|---|---|---|---|")
+    for n in args.batch_sizes:
+        params = SamplingParams(temperature=0.0, max_tokens=args.steps + 20, ignore_eos=True)
+        for i in range(n):  # 150-token prompts, distinct so nothing is shared
+            engine.add_request(f"{n}-{i}", list(range(100 + i, 250 + i)), params)
+        for _ in range(4):  # prefill (one step per 2048 tokens) and the first decode
+            engine.step()
+        start = time.perf_counter()
+        for _ in range(args.steps):
+            engine.step()
+        step = (time.perf_counter() - start) / args.steps
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            for _ in range(5):
+                engine.step()
+        top = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[:3]
+        ops = "; ".join(f"{e.key[:40]} {e.self_cpu_time_total / 5e3:.1f}" for e in top)
+        print(f"| {n} | {step * 1e3:.1f} | {n / step:.0f} | {ops} |", flush=True)
+        while engine.has_unfinished_requests():
+            engine.step()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
