@@ -10,7 +10,7 @@ read once per token. Two things make it cheaper:
   stays a plugin, called eagerly.
 - A bfloat16 checkpoint's weights are exact in bfloat16. For up to 16 rows, a C++
   kernel (``csrc/bf16_linear.cpp``, ``modserve_cpu::few_rows_linear``) reads that 16-bit copy
-  once for all rows and accumulates in float32: half the bytes of float32 weights, with
+  once per 8 rows and accumulates in float32: half the bytes of float32 weights, with
   float32 results, which a plain bf16 matmul (bf16 output, 6-300x slower GEMMs here)
   does not give. Where the kernel cannot be built, or for a float16 copy, a compiled
   GEMV does the same for a single row. Prefill and larger batches keep float32 weights

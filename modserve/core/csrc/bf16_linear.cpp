@@ -4,8 +4,9 @@
 // With a handful of rows a linear layer is bound by reading its weights. A bfloat16
 // checkpoint's weights are exact in bfloat16, so reading that copy moves half the bytes
 // of float32 ones and gives float32 results (a bf16 value widened is a float32 with
-// zeroed low bits). Every weight row is read once for all rows of x: threads split the
-// output features, and x (a few rows of `in` floats) stays in cache.
+// zeroed low bits). Every weight row is read once for up to 8 rows of x (9-16 rows take
+// two passes): threads split the output features, and x (a few rows of `in` floats)
+// stays in cache.
 //
 // Registered as torch.ops.modserve_cpu.bf16_linear and .few_rows_linear (built by
 // modserve/core/cpu_kernels.py).
@@ -61,7 +62,7 @@ void rows_times_weights(const float* x, const uint16_t* w, const float* bias, fl
                         int64_t n_begin, int64_t n_end) {
   for (int64_t n = n_begin; n < n_end; ++n) {
     const uint16_t* wn = w + n * K;
-    const uint16_t* ahead = wn + kAhead * K;
+    const uint16_t* ahead = n + kAhead < N ? wn + kAhead * K : wn;  // never past the end of W
     v8 acc[M][U] = {};
     int64_t k = 0;
     for (; k + 8 * U <= K; k += 8 * U) {
