@@ -31,6 +31,12 @@ def test_bf16_linear_matches_float32_on_the_same_weights(rows, bias, k):
     torch.testing.assert_close(torch.ops.modserve_cpu.bf16_linear(x, w, b).double(), expected, rtol=1e-5, atol=1e-5)
 
 
+def test_bf16_linear_of_no_rows_is_empty():
+    w = torch.randn(24, 16).bfloat16()
+    out = torch.ops.modserve_cpu.bf16_linear(torch.zeros(0, 16), w, torch.ones(24))
+    assert out.shape == (0, 24)
+
+
 def test_few_rows_linear_takes_float32_weights_beyond_few_rows():
     g = torch.Generator().manual_seed(0)
     w = torch.randn(32, 16, generator=g).bfloat16().float()
