@@ -153,3 +153,20 @@ def test_invalid_schedule_refused_and_engine_keeps_serving(llama_dir):
     ref = make_llm(llama_dir).generate(["hello there, a prompt longer than four tokens"], GREEDY,
                                        use_tqdm=False)[0]
     assert out.outputs[0].token_ids == ref.outputs[0].token_ids
+
+
+def test_long_prefill_threshold_caps_each_prompt_chunk(llama_dir, expected):
+    llm = make_llm(llama_dir, scheduler={"name": "fcfs", "options": {"long_prefill_token_threshold": 8}})
+    chunks = []
+    step = llm.engine.scheduler.step
+    llm.engine.scheduler.step = lambda: (s := step(), chunks.extend(s.num_new_tokens))[0]
+    outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == expected
+    assert max(chunks) == 8  # the long prompts were cut, in a budget of 2048 tokens
+
+
+def test_long_prefill_threshold_needs_chunked_prefill(llama_dir):
+    with pytest.raises(Exception, match="long_prefill_token_threshold needs chunked_prefill"):
+        make_llm(llama_dir, scheduler={"name": "fcfs", "options": {"chunked_prefill": False,
+                                                                   "long_prefill_token_threshold": 8}},
+                 max_num_batched_tokens=256)

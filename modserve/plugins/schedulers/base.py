@@ -16,11 +16,20 @@ class Budget:
     seqs: int  # free sequence slots
 
 
+def chunk_size(seq: Sequence, budget: Budget, long_prefill: int) -> int:
+    """Tokens ``seq`` computes this step: all it has left, within the step's budget and,
+    with ``long_prefill`` > 0, at most that many of a prefill (a speculating decode's
+    draft slots are not cut)."""
+    n = min(seq.num_uncomputed, budget.tokens)
+    return min(n, long_prefill) if long_prefill and not seq.num_lookahead else n
+
+
 def advance_running(view: SchedulerView, order: list[Sequence], out: Schedule, budget: Budget,
-                    chunk: bool = True) -> None:
+                    chunk: bool = True, long_prefill: int = 0) -> None:
     """Give each running sequence in ``order`` its next tokens (a decode, or the next
-    prefill chunk). When blocks run short, preempt from the end of ``order`` (the
-    sequences the policy values least) until the current one fits."""
+    prefill chunk, of at most ``long_prefill`` tokens when that is set). When blocks run
+    short, preempt from the end of ``order`` (the sequences the policy values least)
+    until the current one fits."""
     order = list(order)
     i = 0
     while i < len(order) and budget.tokens > 0:
@@ -29,7 +38,7 @@ def advance_running(view: SchedulerView, order: list[Sequence], out: Schedule, b
         if not chunk and remaining > budget.tokens:
             i += 1
             continue
-        n = min(remaining, budget.tokens)
+        n = chunk_size(seq, budget, long_prefill)
         need = view.blocks_needed(seq, n)
         while need > budget.blocks and order[-1] is not seq:
             victim = order.pop()
@@ -48,7 +57,7 @@ def advance_running(view: SchedulerView, order: list[Sequence], out: Schedule, b
 
 
 def admit(view: SchedulerView, candidates: Iterable[Sequence], out: Schedule, budget: Budget,
-          chunk: bool = True) -> None:
+          chunk: bool = True, long_prefill: int = 0) -> None:
     """Admit sequences in the given order while tokens, slots and blocks last; stop at
     the first that does not fit (no overtaking, so the order is kept)."""
     for seq in candidates:
@@ -57,7 +66,7 @@ def admit(view: SchedulerView, candidates: Iterable[Sequence], out: Schedule, bu
         remaining = seq.num_uncomputed
         if not chunk and remaining > budget.tokens:
             return
-        n = min(remaining, budget.tokens)
+        n = chunk_size(seq, budget, long_prefill)
         need = view.blocks_needed(seq, n)
         if need > budget.blocks:
             return
