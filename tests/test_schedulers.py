@@ -35,13 +35,14 @@ def expected(llama_dir) -> list[list[int]]:
         dict(scheduler="fcfs", max_num_batched_tokens=1),  # chunks of one token
         dict(scheduler="fcfs", max_num_batched_tokens=7, block_size=4),  # chunk boundaries inside blocks
         dict(scheduler="fcfs", max_num_batched_tokens=16),
+        dict(scheduler={"name": "fcfs", "options": {"long_prefill_token_threshold": 8}}),
         dict(scheduler={"name": "fcfs", "options": {"chunked_prefill": False}}, max_num_batched_tokens=256),
         dict(scheduler="static", max_num_batched_tokens=64),
         dict(scheduler="priority", max_num_batched_tokens=24),
         dict(scheduler="priority", num_kv_blocks=10, max_model_len=160),  # with preemption
         dict(scheduler="static", num_kv_blocks=10, max_model_len=160),
     ],
-    ids=["fcfs-chunk1", "fcfs-chunk7-block4", "fcfs-chunk16", "fcfs-nochunk", "static", "priority",
+    ids=["fcfs-chunk1", "fcfs-chunk7-block4", "fcfs-chunk16", "fcfs-long-prefill8", "fcfs-nochunk", "static", "priority",
          "priority-preempt", "static-preempt"],
 )
 def test_greedy_identical_under_every_policy(llama_dir, expected, overrides):
@@ -155,13 +156,17 @@ def test_invalid_schedule_refused_and_engine_keeps_serving(llama_dir):
     assert out.outputs[0].token_ids == ref.outputs[0].token_ids
 
 
-def test_long_prefill_threshold_caps_each_prompt_chunk(llama_dir, expected):
+def test_long_prefill_threshold_caps_each_prompt_chunk(llama_dir):
     llm = make_llm(llama_dir, scheduler={"name": "fcfs", "options": {"long_prefill_token_threshold": 8}})
-    chunks = []
-    step = llm.engine.scheduler.step
-    llm.engine.scheduler.step = lambda: (s := step(), chunks.extend(s.num_new_tokens))[0]
-    outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
-    assert [o.outputs[0].token_ids for o in outs] == expected
+    chunks, step = [], llm.engine.scheduler.step
+
+    def recording_step():
+        scheduled = step()
+        chunks.extend(scheduled.num_new_tokens)
+        return scheduled
+
+    llm.engine.scheduler.step = recording_step
+    llm.generate(PROMPTS, GREEDY, use_tqdm=False)
     assert max(chunks) == 8  # the long prompts were cut, in a budget of 2048 tokens
 
 
