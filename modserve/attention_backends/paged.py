@@ -32,9 +32,9 @@ memory costs more than the copy itself on CPU.
 
 SDPA is always called with 4-D ``[B, H, L, D]`` inputs: on CPU only those reach
 the fused flash kernel (3-D inputs fall back to the math path, which repeats KV
-heads). Decodes in bfloat16/float16 on CPU are computed in float32 (KV converted
-after it is gathered): PyTorch's reduced-precision CPU matmuls are several times
-slower unless the CPU has native bf16 support.
+heads). Decodes in bfloat16/float16 are computed in float32 (KV converted after it
+is gathered), on every device: on CPU because PyTorch's reduced-precision matmuls are
+several times slower there unless the CPU has native bf16 support.
 
 An fp8 (e4m3) cache holds ``k / k_scale`` and ``v / v_scale``. Attention reads it
 unscaled, in float32, with ``k_scale`` folded into the softmax scale and ``v_scale``
@@ -278,7 +278,7 @@ class PagedAttention(AttentionBackend):
         dtype = q.dtype
         if self.fp8:
             keys, values = self._float("k", keys), self._float("v", values)
-        elif q.device.type == "cpu" and dtype in (torch.bfloat16, torch.float16):
+        elif dtype in (torch.bfloat16, torch.float16):
             keys = self._buffer("k32", keys.shape, torch.float32, keys.device).copy_(keys)
             values = self._buffer("v32", values.shape, torch.float32, values.device).copy_(values)
         # Everything in float32 from here. Query head h reads KV head h // G (as HF's

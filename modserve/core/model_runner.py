@@ -146,8 +146,11 @@ class ModelRunner:
                 continue
             src = torch.tensor([p[0] for p in pairs], device=src_caches[0].device)
             dst = torch.tensor([p[1] for p in pairs], device=dst_caches[0].device)
+            # Not non_blocking into host memory: that copy returns before its bytes land, and
+            # the host-side index_put below would read them early.
+            to_device = dst_caches[0].device.type != "cpu"
             for s_cache, d_cache in zip(src_caches, dst_caches):
-                d_cache[:, dst] = s_cache[:, src].to(d_cache.device, non_blocking=True)
+                d_cache[:, dst] = s_cache[:, src].to(d_cache.device, non_blocking=to_device)
 
     # -- one step -------------------------------------------------------------------
     @torch.inference_mode()
