@@ -318,6 +318,26 @@ def test_paged_decodes_with_its_cpu_kernel_in_float32_only() -> None:
     assert not PagedAttention(case.spec, PagedOptions(cpu_kernel=False)).kernel
 
 
+@pytest.mark.parametrize("heads,head_dim,block_size,q_scale", [
+    ((12, 4), 64, 16, 1.0),  # G = 3: the reference model's shape
+    ((12, 4), 64, 16, 30.0),  # sharp softmax: most exponentials far below e^-87
+    ((8, 1), 24, 16, 1.0),  # G = 8: two passes of 4 query rows; 24 = 16 + 8 dimensions
+    ((6, 2), 40, 12, 1.0),  # 40 = 16 + 16 + 8; 12-token blocks: 8 keys at once, then 4 alone
+    ((5, 5), 8, 8, 1.0),  # G = 1, one 8-float vector per head
+], ids=["g3-d64", "g3-sharp", "g8-d24", "g3-d40-bs12", "g1-d8"])
+def test_paged_cpu_kernel_shapes(heads, head_dim: int, block_size: int, q_scale: float) -> None:
+    """The decode kernel's paths: 8 keys at a time and lone tail keys, query rows in passes
+    of up to 4, 16- and 8-float slices of a head, every length from 1 to 3 blocks and more."""
+    seqs = [((i * 53) % 200, 1) for i in range(13)]  # decodes only, 1 to 195 tokens each
+    case = make_case(seqs, block_size=block_size, num_heads=heads[0], num_kv_heads=heads[1],
+                     head_dim=head_dim, seed=head_dim)
+    case.q.mul_(q_scale)
+    assert PagedAttention(case.spec).kernel
+    out, cache = run_backend("paged", case)
+    torch.testing.assert_close(out.double(), naive_attention(case), rtol=0, atol=1e-5)
+    check_cache(case, cache)
+
+
 def test_kernel_build_failure_falls_back_and_says_why(monkeypatch, caplog) -> None:
     from torch.utils import cpp_extension
 

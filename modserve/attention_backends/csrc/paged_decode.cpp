@@ -6,6 +6,13 @@
 // path it replaces gathered keys and values into [B, Hkv, L, D] buffers first, so it
 // moved every byte three times; this reads each once.
 //
+// Each pass keeps its sums in registers: scores take eight keys at a time per query row
+// (one shuffle tree sums all eight), the softmax exponentials are computed eight at a
+// time, and the values go into up to 4 query rows x 16 dimensions of accumulators. A
+// sequence's blocks lie anywhere in the pool, so the next block is prefetched while one
+// is read: no hardware prefetcher can guess it. Together: 64 decodes of ~190 tokens in
+// 1.6 ms against 2.2 (this machine, one interleaved run), 15 against 11 GB/s of KV.
+//
 // Registered as torch.ops.modserve_paged.decode (built by modserve/core/cpu_kernels.py).
 
 #include <ATen/ATen.h>
@@ -35,7 +42,11 @@ inline float hsum(v8 v) {  // a tree, not a chain of seven dependent adds
   return b[0] + b[1];
 }
 
-// out[g] = q[g] . k for the G query rows q (each D long, D a multiple of 8).
+typedef int32_t i8 __attribute__((vector_size(32)));
+
+inline void store8(float* p, v8 v) { std::memcpy(p, &v, sizeof v); }
+
+// out[g] = q[g] . k for the G query rows q (each D long, D a multiple of 8): one key.
 inline void dots(const float* __restrict q, const float* __restrict k, int64_t G, int64_t D, float* out) {
   for (int64_t g = 0; g < G; ++g) {
     const float* qg = q + g * D;
@@ -50,12 +61,81 @@ inline void dots(const float* __restrict q, const float* __restrict k, int64_t G
   }
 }
 
-// y += a * x, D long (a multiple of 8).
-inline void axpy(float* __restrict y, float a, const float* __restrict x, int64_t D) {
-  const v8 av = {a, a, a, a, a, a, a, a};
+// The eight sums of a[0..7], as one vector: three rounds of pairwise shuffles and adds
+// (21 operations) instead of eight separate horizontal sums.
+inline v8 hsum8(const v8* a) {
+  v8 t[4], u[2];
+  for (int i = 0; i < 4; ++i)  // t[i] = sums of adjacent pairs of a[2i] and a[2i+1], interleaved
+    t[i] = __builtin_shufflevector(a[2 * i], a[2 * i + 1], 0, 8, 2, 10, 4, 12, 6, 14) +
+           __builtin_shufflevector(a[2 * i], a[2 * i + 1], 1, 9, 3, 11, 5, 13, 7, 15);
+  for (int i = 0; i < 2; ++i)  // quarter sums of four vectors, low lane then high lane
+    u[i] = __builtin_shufflevector(t[2 * i], t[2 * i + 1], 0, 1, 8, 9, 4, 5, 12, 13) +
+           __builtin_shufflevector(t[2 * i], t[2 * i + 1], 2, 3, 10, 11, 6, 7, 14, 15);
+  return __builtin_shufflevector(u[0], u[1], 0, 1, 2, 3, 8, 9, 10, 11) +
+         __builtin_shufflevector(u[0], u[1], 4, 5, 6, 7, 12, 13, 14, 15);
+}
+
+// s * (q . k_j) for the eight keys k_0..7 (rows D apart) and one query row q, into out[0..7].
+inline void dots8(const float* __restrict q, const float* __restrict k, int64_t D, float s, float* out) {
+  v8 a[8] = {};
   for (int64_t d = 0; d < D; d += 8) {
-    v8 r = load8(y + d) + av * load8(x + d);
-    std::memcpy(y + d, &r, sizeof r);
+    const v8 qv = load8(q + d);
+    for (int j = 0; j < 8; ++j) a[j] += qv * load8(k + j * D + d);
+  }
+  store8(out, hsum8(a) * s);
+}
+
+// e^x for eight floats: x = n ln2 + r with |r| <= ln2 / 2, e^r by its Taylor series to
+// r^7 / 7! (relative error below 2e-7 there), times 2^n built in the exponent bits.
+// Inputs below -87 (where 2^n would be subnormal) give e^-87, about 1.6e-38.
+inline v8 exp8(v8 x) {
+  const v8 lo = v8{} - 87.0f, hi = v8{} + 88.0f;
+  x = x < lo ? lo : x;
+  x = x > hi ? hi : x;
+  const v8 magic = v8{} + 12582912.0f;  // 1.5 * 2^23: adding it rounds to an integer
+  const v8 n = (x * 1.44269504088896341f + magic) - magic;
+  const v8 r = (x - n * 0.693145751953125f) - n * 1.42860682030941723e-6f;  // ln2 in two parts
+  v8 p = v8{} + 1.0f / 5040;
+  p = p * r + 1.0f / 720;
+  p = p * r + 1.0f / 120;
+  p = p * r + 1.0f / 24;
+  p = p * r + 1.0f / 6;
+  p = p * r + 0.5f;
+  p = p * r + 1.0f;
+  p = p * r + 1.0f;
+  const i8 bits = (__builtin_convertvector(n, i8) + 127) << 23;
+  v8 scale;
+  std::memcpy(&scale, &bits, sizeof scale);
+  return p * scale;
+}
+
+inline void prefetch_block(const float* p, int64_t n) {  // n floats, a 64-byte line at a time
+  for (int64_t i = 0; i < n; i += 16) __builtin_prefetch(p + i, 0, 3);
+}
+
+// acc[g] (W vectors of 8) += sum over the block's n keys of p[g][t] * v_t, for GC query
+// rows at once: their 2 * GC accumulators stay in registers while the values stream by.
+template <int GC, int W>
+inline void weighted_values(const float* __restrict p, int64_t p_stride, const float* __restrict v, int64_t D,
+                            int64_t n, v8 (&acc)[4][2]) {
+  for (int64_t t = 0; t < n; ++t) {
+    v8 x[W];
+    for (int w = 0; w < W; ++w) x[w] = load8(v + t * D + 8 * w);
+    for (int g = 0; g < GC; ++g) {
+      const v8 pg = v8{} + p[g * p_stride + t];
+      for (int w = 0; w < W; ++w) acc[g][w] += pg * x[w];
+    }
+  }
+}
+
+template <int W>
+inline void weighted_values(int gc, const float* p, int64_t p_stride, const float* v, int64_t D, int64_t n,
+                            v8 (&acc)[4][2]) {
+  switch (gc) {
+    case 1: weighted_values<1, W>(p, p_stride, v, D, n, acc); break;
+    case 2: weighted_values<2, W>(p, p_stride, v, D, n, acc); break;
+    case 3: weighted_values<3, W>(p, p_stride, v, D, n, acc); break;
+    default: weighted_values<4, W>(p, p_stride, v, D, n, acc); break;
   }
 }
 
@@ -91,40 +171,76 @@ at::Tensor decode(const at::Tensor& q, const at::Tensor& key_cache, const at::Te
 
   at::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores;
-    std::vector<float> acc(G * D), row_scores(G);
+    std::vector<float> row_scores(G);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t b = task / Hkv, h = task % Hkv;
       const int64_t len = lp[b];
       TORCH_CHECK(len >= 1 && (len + block_size - 1) / block_size <= max_blocks,
                   "modserve_paged.decode: sequence length beyond its block table");
       const float* qb = qp + (b * H + h * G) * D;  // G query rows of this KV head
+      float* ob = op + (b * H + h * G) * D;
       scores.resize(G * len);
+      // Scores: eight keys at a time against each query row (the keys stay in L1 for the
+      // next row), a lone key only for a block's tail.
       for (int64_t j0 = 0; j0 < len; j0 += block_size) {
         const int64_t block = tp[b * max_blocks + j0 / block_size];
         const float* kb = kp + (block * Hkv + h) * block_size * D;
         const int64_t n = std::min(block_size, len - j0);
-        for (int64_t t = 0; t < n; ++t) {
+        // The next block (the first value block after the last key block) is elsewhere in
+        // memory, where no hardware prefetcher guesses: ask for it one block ahead.
+        prefetch_block(j0 + block_size < len ? kp + (tp[b * max_blocks + j0 / block_size + 1] * Hkv + h) * block_size * D
+                                            : vp + (tp[b * max_blocks] * Hkv + h) * block_size * D,
+                       block_size * D);
+        int64_t t = 0;
+        for (; t + 8 <= n; t += 8)
+          for (int64_t g = 0; g < G; ++g) dots8(qb + g * D, kb + t * D, D, s, scores.data() + g * len + j0 + t);
+        for (; t < n; ++t) {
           dots(qb, kb + t * D, G, D, row_scores.data());
           for (int64_t g = 0; g < G; ++g) scores[g * len + j0 + t] = s * row_scores[g];
         }
       }
       for (int64_t g = 0; g < G; ++g) {  // softmax of each query row, in place
         float* row = scores.data() + g * len;
-        const float m = *std::max_element(row, row + len);
+        float m = -std::numeric_limits<float>::infinity();
+        for (int64_t j = 0; j < len; ++j) m = std::max(m, row[j]);
+        v8 sums = {};
         float total = 0.f;
-        for (int64_t j = 0; j < len; ++j) total += (row[j] = std::exp(row[j] - m));
-        const float inv = 1.f / total;
-        for (int64_t j = 0; j < len; ++j) row[j] *= inv;
+        int64_t j = 0;
+        for (; j + 8 <= len; j += 8) {
+          const v8 e = exp8(load8(row + j) - m);
+          store8(row + j, e);
+          sums += e;
+        }
+        for (; j < len; ++j) total += (row[j] = std::exp(row[j] - m));
+        const float inv = 1.f / (total + hsum(sums));
+        for (j = 0; j < len; ++j) row[j] *= inv;
       }
-      std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t j0 = 0; j0 < len; j0 += block_size) {
-        const int64_t block = tp[b * max_blocks + j0 / block_size];
-        const float* vb = vp + (block * Hkv + h) * block_size * D;
-        const int64_t n = std::min(block_size, len - j0);
-        for (int64_t t = 0; t < n; ++t)
-          for (int64_t g = 0; g < G; ++g) axpy(acc.data() + g * D, scores[g * len + j0 + t], vb + t * D, D);
+      // Values: up to 4 query rows by 16 dimensions of accumulators per pass over the
+      // sequence's value rows (the later passes find them in cache).
+      for (int64_t g0 = 0; g0 < G; g0 += 4) {
+        const int gc = static_cast<int>(std::min<int64_t>(4, G - g0));
+        for (int64_t d0 = 0; d0 < D; d0 += 16) {
+          const int w = D - d0 >= 16 ? 2 : 1;
+          v8 acc[4][2] = {};
+          for (int64_t j0 = 0; j0 < len; j0 += block_size) {
+            const int64_t block = tp[b * max_blocks + j0 / block_size];
+            const float* vb = vp + (block * Hkv + h) * block_size * D + d0;
+            const int64_t n = std::min(block_size, len - j0);
+            if (d0 == 0 && j0 + block_size < len)
+              prefetch_block(vp + (tp[b * max_blocks + j0 / block_size + 1] * Hkv + h) * block_size * D,
+                             block_size * D);
+            if (d0 + 16 >= D && j0 == 0 && task + 1 < end) {  // the next task's first key block
+              const int64_t nb = (task + 1) / Hkv, nh = (task + 1) % Hkv;
+              prefetch_block(kp + (tp[nb * max_blocks] * Hkv + nh) * block_size * D, block_size * D);
+            }
+            const float* p = scores.data() + g0 * len + j0;
+            if (w == 2) weighted_values<2>(gc, p, len, vb, D, n, acc);
+            else weighted_values<1>(gc, p, len, vb, D, n, acc);
+          }
+          for (int g = 0; g < gc; ++g)
+            for (int i = 0; i < w; ++i) store8(ob + (g0 + g) * D + d0 + 8 * i, acc[g][i]);
+        }
       }
-      std::copy(acc.begin(), acc.end(), op + (b * H + h * G) * D);
     }
   });
   return out;
