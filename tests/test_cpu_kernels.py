@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from modserve.core.compile import FEW_ROWS, load_few_rows_kernel
-from modserve.core.prepack import packed_linear
+from modserve.core.prepack import packed_linear, to_panels
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -45,10 +45,36 @@ def test_few_rows_linear_takes_float32_weights_beyond_few_rows():
     assert torch.equal(out, F.linear(x, w))  # the float32 GEMM itself, bit for bit
     few = few_rows_linear(x[:FEW_ROWS], w, w.bfloat16(), None, None)
     torch.testing.assert_close(few, F.linear(x[:FEW_ROWS], w), rtol=1e-5, atol=1e-5)
-    packed = torch.ops.mkldnn._reorder_linear_weight(w, None)  # beyond 16 rows, with a packed copy: oneDNN
     b = torch.randn(32, generator=g)
-    torch.testing.assert_close(few_rows_linear(x, w, w.bfloat16(), packed, b), packed_linear(x, packed, b),
-                               rtol=0, atol=0)
+    # beyond 16 rows, with a packed copy: its GEMM (panels: the C++ kernel; oneDNN's layout: oneDNN)
+    for packed in (to_panels(w), torch.ops.mkldnn._reorder_linear_weight(w, None)):
+        torch.testing.assert_close(few_rows_linear(x, w, w.bfloat16(), packed, b), packed_linear(x, packed, b, 32),
+                                   rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("rows", [1, 5, 6, 7, 64, 300])  # tiles of 6 rows and their tails; 300: two chunks
+@pytest.mark.parametrize("n, k", [(96, 64), (40, 37)])  # 40: a part-filled last panel; any K
+@pytest.mark.parametrize("bias", [False, True])
+def test_panel_linear_matches_float64(rows, n, k, bias):
+    g = torch.Generator().manual_seed(rows * n)
+    w, x = torch.randn(n, k, generator=g), torch.randn(rows, k, generator=g)
+    b = torch.randn(n, generator=g) if bias else None
+    out = torch.ops.modserve_cpu.panel_linear(x, to_panels(w), n, b)
+    expected = F.linear(x.double(), w.double(), None if b is None else b.double())
+    torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-5)
+    # one FMA chain per output, in k order: a row's result does not depend on its batch
+    assert torch.equal(torch.ops.modserve_cpu.panel_linear(x[-1:], to_panels(w), n, b), out[-1:])
+
+
+@pytest.mark.parametrize("x, panels, n, message", [
+    (torch.zeros(2, 16), torch.zeros(3, 16, 16), 50, "3 panels do not hold 50"),
+    (torch.zeros(2, 16), torch.zeros(3, 16, 16), 32, "3 panels do not hold 32"),
+    (torch.zeros(2, 12), torch.zeros(1, 16, 16), 16, r"x \[M, K\], panels"),
+    (torch.zeros(2, 16), torch.zeros(1, 16, 16, dtype=torch.bfloat16), 16, "float32 x and panels"),
+])
+def test_panel_linear_names_what_is_wrong(x, panels, n, message):
+    with pytest.raises(RuntimeError, match=message):
+        torch.ops.modserve_cpu.panel_linear(x, panels, n, None)
 
 
 @pytest.mark.parametrize("x, w, message", [

@@ -1,5 +1,6 @@
-"""prepack_weights: oneDNN-packed float32 weights for batched CPU GEMMs, held against
-transformers (greedy tokens) and the unpacked path (logprobs), compiled and eager."""
+"""prepack_weights: packed float32 weights for batched CPU GEMMs (panels for the C++ kernel,
+or oneDNN's layout), held against transformers (greedy tokens) and the unpacked path
+(logprobs), compiled and eager."""
 
 from __future__ import annotations
 
@@ -8,23 +9,24 @@ import torch
 import torch.nn.functional as F
 
 from modserve import LLM, SamplingParams
-from modserve.core.prepack import packed_linear
+from modserve.core.prepack import packed_linear, to_panels
 from modserve.testing import cached_checkpoint
 
 from test_compile import MAX_NEW, bf16_reference  # noqa: F401  (a fixture)
 
 
+@pytest.mark.parametrize("layout", ["panels", "onednn"])
 @pytest.mark.parametrize("rows", [1, 3, 17, 200])
 @pytest.mark.parametrize("bias", [False, True])
-def test_packed_linear_matches_f_linear(rows, bias):
+def test_packed_linear_matches_f_linear(rows, bias, layout):
     g = torch.Generator().manual_seed(rows)
     w, x = torch.randn(96, 64, generator=g), torch.randn(rows, 64, generator=g)
     b = torch.randn(96, generator=g) if bias else None
-    packed = torch.ops.mkldnn._reorder_linear_weight(w, None)
-    torch.testing.assert_close(packed_linear(x, packed, b), F.linear(x, w, b), rtol=1e-5, atol=1e-5)
+    packed = to_panels(w) if layout == "panels" else torch.ops.mkldnn._reorder_linear_weight(w, None)
+    torch.testing.assert_close(packed_linear(x, packed, b, 96), F.linear(x, w, b), rtol=1e-5, atol=1e-5)
     # a non-contiguous input (a slice of a wider tensor) gives the same
     wide = torch.cat([x, x], dim=1)[:, :64]
-    torch.testing.assert_close(packed_linear(wide, packed, b), F.linear(x, w, b), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(packed_linear(wide, packed, b, 96), F.linear(x, w, b), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("compile", ["on", "off"])
@@ -33,7 +35,7 @@ def test_packed_greedy_matches_transformers_and_logprobs_match_unpacked(bf16_ref
     packed = LLM(path, compile=compile, prepack_weights="on", num_kv_blocks=128, progress=False)
     runner = packed.engine.runner
     linears = [m for m in runner.model.modules() if hasattr(m, "packed_weight")]
-    assert linears and all(m.packed_weight.is_mkldnn for m in linears)
+    assert linears and all(m.packed_weight.shape[2] == 16 for m in linears)  # panels: the kernel is built here
     assert runner.packed_weight_bytes > 0
     params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True, logprobs=0)
     together = packed.generate(ids, params, use_tqdm=False)  # batched decode: the packed GEMMs

@@ -99,15 +99,15 @@ def linear_or_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     ``decode_weight`` ([out, in]) and the kernel built, ``modserve_cpu::few_rows_linear``
     (up to :data:`FEW_ROWS` rows from the bf16 copy, more in float32); for one
     row inside a compiled region, the 16-bit ``decode_weight`` as one fused
-    upcast-multiply-sum over ``in``; with a oneDNN ``packed_weight``
-    (:mod:`modserve.core.prepack`), oneDNN's GEMM on it."""
+    upcast-multiply-sum over ``in``; with a ``packed_weight`` (:mod:`modserve.core.prepack`:
+    panels or oneDNN's layout), the GEMM for that layout."""
     if decode_weight is not None and decode_weight.dtype == torch.bfloat16 and _bf16_kernel:
         return torch.ops.modserve_cpu.few_rows_linear(x, weight, decode_weight, packed_weight, bias)
     if decode_weight is not None and x.shape[0] == 1 and torch.compiler.is_compiling():
         y = (x.unsqueeze(1) * decode_weight.to(x.dtype)).sum(-1)  # [1, out], float32 accumulation
         return y if bias is None else y + bias
     if packed_weight is not None:
-        return torch.ops.modserve.packed_linear(x, packed_weight, bias)
+        return torch.ops.modserve.packed_linear(x, packed_weight, bias, weight.shape[0])
     return F.linear(x, weight, bias)
 
 

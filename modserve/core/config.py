@@ -72,7 +72,7 @@ class EngineConfig(BaseModel):
         "auto", description="torch.compile each layer's ops around attention (and, on CPU with a 16-bit "
         "checkpoint, the batch-1 decode GEMV); auto: on for CPU models of 64 MiB of weights or more")
     prepack_weights: Literal["auto", "on", "off"] = Field(
-        "auto", description="CPU, float32: pack each linear's weight once for oneDNN's GEMMs (faster "
+        "auto", description="CPU, float32: pack each linear's weight once for batched GEMMs (faster "
         "batched steps; a second float32 copy); auto: on for unquantized CPU models of 64 MiB or more")
     attention_backend: PluginChoice = Field(PluginChoice(name="paged"), description="Attention backend plugin")
     kv_allocator: PluginChoice = Field(PluginChoice(name="paged"), description="KV block allocator plugin")

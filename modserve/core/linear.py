@@ -66,7 +66,7 @@ class Linear(nn.Module):
 class Unquantized(Quantizer):
     """Float weights ``[out, in]`` in the model dtype: ``F.linear``, exactly ``nn.Linear``
     (batch-1 decode may read a 16-bit ``decode_weight`` copy: :mod:`modserve.core.compile`;
-    other steps a oneDNN ``packed_weight``: :mod:`modserve.core.prepack`)."""
+    other steps a packed ``packed_weight``: :mod:`modserve.core.prepack`)."""
 
     def create_weights(self, layer: nn.Module, spec: LinearSpec) -> None:
         layer.weight = param(torch.empty(spec.out_features, spec.in_features, dtype=spec.dtype))

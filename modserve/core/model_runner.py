@@ -96,7 +96,7 @@ class ModelRunner:
                     type(self.quantizer).__name__ if self.quantizer else str(self.dtype).removeprefix("torch."),
                     f", of which batch-1 decode reads {self.decode_weight_bytes / 2**20:.1f} MiB"
                     if decode_dtype is not None else "",
-                    f"; plus {self.packed_weight_bytes / 2**20:.1f} MiB packed for oneDNN's batched GEMMs"
+                    f"; plus {self.packed_weight_bytes / 2**20:.1f} MiB packed for batched GEMMs"
                     if self.packed_weight_bytes else "")
         if self.compiled:
             logger.info("compile: the layers' ops around attention are compiled (torch.compile, inductor)")

@@ -122,7 +122,8 @@ inline void weighted_values(const float* __restrict p, int64_t p_stride, const f
     v8 x[W];
     for (int w = 0; w < W; ++w) x[w] = load8(v + t * D + 8 * w);
     for (int g = 0; g < GC; ++g) {
-      const v8 pg = v8{} + p[g * p_stride + t];
+      const float pt = p[g * p_stride + t];
+      const v8 pg = {pt, pt, pt, pt, pt, pt, pt, pt};  // a broadcast (v8{} + pt would add first)
       for (int w = 0; w < W; ++w) acc[g][w] += pg * x[w];
     }
   }
