@@ -7,6 +7,8 @@ The same paths on CPU are covered by the other modules (the Triton kernel in its
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -127,7 +129,7 @@ def test_awq_and_fp8_checkpoints_pick_the_gpu_kernels(llama_dir, hf_cuda):
     from modserve.testing import cached_quantized_checkpoint
 
     ids = hf_cuda[0]
-    awq_dir = str(cached_quantized_checkpoint("awq", cache_dir=str(llama_dir).rsplit("/", 1)[0]))
+    awq_dir = str(cached_quantized_checkpoint("awq", cache_dir=Path(llama_dir).parent))  # beside the float one
     cases = [(awq_dir, "awq", "triton", 0.05, "float16")]
     if torch.cuda.get_device_capability() >= (9, 0):
         cases.append((llama_dir, "fp8", "scaled_mm", 0.3, "bfloat16"))

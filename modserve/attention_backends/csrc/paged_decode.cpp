@@ -169,6 +169,10 @@ at::Tensor decode(const at::Tensor& q, const at::Tensor& key_cache, const at::Te
   const int64_t* lp = lens.data_ptr<int64_t>();
   float* op = out.data_ptr<float>();
   const float s = static_cast<float>(scale);
+  // Where sequence b's block number i (of its table) holds KV head h, in a cache half.
+  auto block_at = [&](const float* cache, int64_t b, int64_t i, int64_t h) {
+    return cache + (tp[b * max_blocks + i] * Hkv + h) * block_size * D;
+  };
 
   at::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores;
@@ -184,13 +188,11 @@ at::Tensor decode(const at::Tensor& q, const at::Tensor& key_cache, const at::Te
       // Scores: eight keys at a time against each query row (the keys stay in L1 for the
       // next row), a lone key only for a block's tail.
       for (int64_t j0 = 0; j0 < len; j0 += block_size) {
-        const int64_t block = tp[b * max_blocks + j0 / block_size];
-        const float* kb = kp + (block * Hkv + h) * block_size * D;
+        const float* kb = block_at(kp, b, j0 / block_size, h);
         const int64_t n = std::min(block_size, len - j0);
         // The next block (the first value block after the last key block) is elsewhere in
         // memory, where no hardware prefetcher guesses: ask for it one block ahead.
-        prefetch_block(j0 + block_size < len ? kp + (tp[b * max_blocks + j0 / block_size + 1] * Hkv + h) * block_size * D
-                                            : vp + (tp[b * max_blocks] * Hkv + h) * block_size * D,
+        prefetch_block(j0 + block_size < len ? block_at(kp, b, j0 / block_size + 1, h) : block_at(vp, b, 0, h),
                        block_size * D);
         int64_t t = 0;
         for (; t + 8 <= n; t += 8)
@@ -224,16 +226,11 @@ at::Tensor decode(const at::Tensor& q, const at::Tensor& key_cache, const at::Te
           const int w = D - d0 >= 16 ? 2 : 1;
           v8 acc[4][2] = {};
           for (int64_t j0 = 0; j0 < len; j0 += block_size) {
-            const int64_t block = tp[b * max_blocks + j0 / block_size];
-            const float* vb = vp + (block * Hkv + h) * block_size * D + d0;
+            const float* vb = block_at(vp, b, j0 / block_size, h) + d0;
             const int64_t n = std::min(block_size, len - j0);
-            if (d0 == 0 && j0 + block_size < len)
-              prefetch_block(vp + (tp[b * max_blocks + j0 / block_size + 1] * Hkv + h) * block_size * D,
-                             block_size * D);
-            if (d0 + 16 >= D && j0 == 0 && task + 1 < end) {  // the next task's first key block
-              const int64_t nb = (task + 1) / Hkv, nh = (task + 1) % Hkv;
-              prefetch_block(kp + (tp[nb * max_blocks] * Hkv + nh) * block_size * D, block_size * D);
-            }
+            if (d0 == 0 && j0 + block_size < len) prefetch_block(block_at(vp, b, j0 / block_size + 1, h), block_size * D);
+            if (d0 + 16 >= D && j0 == 0 && task + 1 < end)  // the next task's first key block
+              prefetch_block(block_at(kp, (task + 1) / Hkv, 0, (task + 1) % Hkv), block_size * D);
             const float* p = scores.data() + g0 * len + j0;
             if (w == 2) weighted_values<2>(gc, p, len, vb, D, n, acc);
             else weighted_values<1>(gc, p, len, vb, D, n, acc);

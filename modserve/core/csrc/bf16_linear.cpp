@@ -215,9 +215,8 @@ at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& weight, const c10:
 at::Tensor few_rows_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& decode_weight,
                            const c10::optional<at::Tensor>& packed_weight, const c10::optional<at::Tensor>& bias) {
   if (x.size(0) <= kMaxRows) return bf16_linear(x, decode_weight, bias);
-  if (packed_weight.has_value() && packed_weight->defined() && !packed_weight->is_mkldnn())
-    return panel_linear(x, *packed_weight, weight.size(0), bias);
   if (packed_weight.has_value() && packed_weight->defined()) {
+    if (!packed_weight->is_mkldnn()) return panel_linear(x, *packed_weight, weight.size(0), bias);
     static const auto packed_linear =
         c10::Dispatcher::singleton()
             .findSchemaOrThrow("modserve::packed_linear", "")
