@@ -14,6 +14,7 @@ import torch
 from modserve.core.compile import checkpoint_dtype
 from modserve.core.config import EngineConfig
 from modserve.core.grammar import CompiledGrammar, GrammarCompiler, wait_any
+from modserve.core.host_memory import keep_freed_memory
 from modserve.core.interfaces import ProposerContext, SamplerOutput, SchedulerLimits
 from modserve.core.loader import load_hf_config
 from modserve.core.model_runner import ModelRunner
@@ -48,6 +49,8 @@ class LLMEngine:
         registry = registry or get_registry()
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
+        if torch.device(config.device).type == "cpu":
+            keep_freed_memory()  # a step's activations reuse the last step's pages
         torch.manual_seed(config.seed)  # unseeded requests draw from the global generator
         hf_config = load_hf_config(config.model)
         self.max_model_len = resolve_max_model_len(config, hf_config)
