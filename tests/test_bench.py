@@ -177,6 +177,24 @@ def test_bench_throughput_with_hf_baseline(llama_dir, tmp_path, capsys):
     assert all(run["output tok/s"] > 0 and run["req/s"] > 0 for runs in figures.values() for run in runs)
 
 
+def test_hf_baseline_runs_in_its_own_process(llama_dir, tmp_path):
+    """The worker gives the tokens transformers gives in this process, and its errors name it."""
+    import torch
+
+    from modserve.bench.hf_baseline import HFRunner, StaticBatches
+
+    requests = [BenchRequest(None, [5, 6, 7, 8], 4), BenchRequest(None, [9, 10], 3)]
+    with HFRunner(llama_dir, torch.float32, batch_size=2) as runner:
+        assert runner.proc.pid != os.getpid() and runner.proc.poll() is None
+        run = runner.run(requests)
+    assert runner.proc.returncode == 0
+    assert run.token_ids == StaticBatches(llama_dir, torch.float32, batch_size=2).run(requests).token_ids
+    assert run.output_tokens == 7 and run.prompt_tokens == 6 and run.wall > 0
+    with pytest.raises(RuntimeError, match="the transformers worker failed") as err:
+        HFRunner(str(tmp_path / "no-model"), torch.float32)
+    assert "no-model" in str(err.value)
+
+
 def test_bench_latency(llama_dir, capsys):
     rc = main(["bench", "latency", "--model", llama_dir, "--num-kv-blocks", "128", "--input-len", "16",
                "--output-len", "4", "--repeats", "2", "--hardware", "h100", "--threads", "1"])

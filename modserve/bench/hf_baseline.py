@@ -5,10 +5,18 @@ of ``batch_size`` in workload order; each batch is left-padded to its longest
 prompt and generates as many tokens as its longest request wants (EOS suppressed
 until then), greedily. Throughput counts only the tokens each request asked for,
 so the rows that wait for the batch's longest request are the baseline's cost.
+
+:class:`HFRunner` runs it in a worker process of its own (:mod:`.hf_worker`, with as
+many torch threads as modserve's), as the ``vllm`` baseline runs: in modserve's process
+it would share what the engine sets process-wide, such as glibc's malloc thresholds
+(:mod:`modserve.core.host_memory`), which made it ~8% faster there than a plain
+transformers process is.
 """
 
 from __future__ import annotations
 
+import json
+import sys
 import time
 from typing import Sequence
 
@@ -17,10 +25,35 @@ from transformers import GenerationConfig
 
 from modserve.bench.offline import Run
 from modserve.bench.workloads import BenchRequest
+from modserve.bench.worker_process import WorkerProcess
 
 
-class HFRunner:
+class HFRunner(WorkerProcess):
+    """The baseline as the benchmark runs it: :class:`StaticBatches` in a worker process."""
+
     name = "hf"
+
+    def __init__(self, model_dir: str, dtype: torch.dtype, batch_size: int = 16) -> None:
+        settings = dict(model=str(model_dir), dtype=str(dtype).removeprefix("torch."), batch_size=batch_size,
+                        threads=torch.get_num_threads())
+        super().__init__([sys.executable, "-m", "modserve.bench.hf_worker", json.dumps(settings)], None,
+                         "the transformers worker")
+        try:
+            self.receive()  # loaded
+        except BaseException:
+            self.close()
+            raise
+
+    def run(self, requests: Sequence[BenchRequest]) -> Run:
+        reply = self.send({"cmd": "generate", "requests": [
+            {"prompt_token_ids": list(r.prompt_token_ids), "output_len": r.output_len} for r in requests]})
+        token_ids = reply["token_ids"]
+        return Run(reply["wall"], sum(r.prompt_len for r in requests), sum(r.output_len for r in requests),
+                   token_ids=token_ids)
+
+
+class StaticBatches:
+    """transformers ``generate`` over static batches, in this process."""
 
     def __init__(self, model_dir: str, dtype: torch.dtype, batch_size: int = 16) -> None:
         from transformers import AutoModelForCausalLM

