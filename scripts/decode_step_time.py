@@ -29,7 +29,9 @@ def main() -> int:
         params = SamplingParams(temperature=0.0, max_tokens=args.steps + 20, ignore_eos=True)
         for i in range(n):  # 150-token prompts, distinct so nothing is shared
             engine.add_request(f"{n}-{i}", list(range(100 + i, 250 + i)), params)
-        for _ in range(4):  # prefill (one step per 2048 tokens) and the first decode
+        # prefill (a step per 2048 tokens, the default max_num_batched_tokens) and the first
+        # decode: with fewer, 64 sequences timed their last prefill step among the decodes
+        for _ in range(-(-n * 150 // 2048) + 1):
             engine.step()
         start = time.perf_counter()
         for _ in range(args.steps):
