@@ -17,7 +17,7 @@ from typing import Any
 
 
 def main() -> int:
-    from modserve.bench.vllm_worker import private_streams
+    from modserve.bench.vllm_worker import private_streams, serve
 
     proto_in, proto_out = private_streams()
 
@@ -37,19 +37,12 @@ def main() -> int:
         send({"error": traceback.format_exc(), "kind": "startup"})
         return 4
     send({"event": "ready"})
-    for line in proto_in:
-        cmd = json.loads(line)
-        try:
-            if cmd["cmd"] == "exit":
-                break
-            if cmd["cmd"] == "generate":
-                run = generate.run([BenchRequest(None, r["prompt_token_ids"], r["output_len"])
-                                    for r in cmd["requests"]])
-                send({"wall": run.wall, "token_ids": run.token_ids})
-            else:
-                send({"error": f"unknown command {cmd['cmd']!r}"})
-        except Exception:
-            send({"error": traceback.format_exc()})
+
+    def generate_all(cmd: dict[str, Any]) -> dict[str, Any]:
+        run = generate.run([BenchRequest(None, r["prompt_token_ids"], r["output_len"]) for r in cmd["requests"]])
+        return {"wall": run.wall, "token_ids": run.token_ids}
+
+    serve(proto_in, send, {"generate": generate_all})
     return 0
 
 

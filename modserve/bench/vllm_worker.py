@@ -21,7 +21,7 @@ import os
 import sys
 import time
 import traceback
-from typing import Any
+from typing import Any, Callable
 
 
 def private_streams() -> tuple[Any, Any]:
@@ -131,20 +131,24 @@ def main() -> int:
         send({"error": traceback.format_exc(), "kind": "startup"})
         return 4
     send({"event": "ready", **worker.info()})
+    serve(proto_in, send, {"generate": lambda cmd: worker.generate(cmd["requests"]),
+                           "latency": lambda cmd: worker.latency(cmd["prompt_token_ids"], cmd["output_len"])})
+    return 0
+
+
+def serve(proto_in: Any, send: Callable[[dict[str, Any]], None],
+          handlers: dict[str, Callable[[dict[str, Any]], dict[str, Any]]]) -> None:
+    """Answer each command line with its handler's reply (a failure's traceback as an error
+    reply) until ``{"cmd": "exit"}`` or the end of input."""
     for line in proto_in:
         cmd = json.loads(line)
+        if cmd["cmd"] == "exit":
+            break
+        handler = handlers.get(cmd["cmd"])
         try:
-            if cmd["cmd"] == "exit":
-                break
-            if cmd["cmd"] == "generate":
-                send(worker.generate(cmd["requests"]))
-            elif cmd["cmd"] == "latency":
-                send(worker.latency(cmd["prompt_token_ids"], cmd["output_len"]))
-            else:
-                send({"error": f"unknown command {cmd['cmd']!r}"})
+            send(handler(cmd) if handler else {"error": f"unknown command {cmd['cmd']!r}"})
         except Exception:
             send({"error": traceback.format_exc()})
-    return 0
 
 
 if __name__ == "__main__":
