@@ -143,10 +143,10 @@ void rows_times_weight_pairs(const float* x, const uint16_t* w, const float* bia
 // kChunkRows rows so a chunk stays in L2. Each output is one float32 FMA chain over k in
 // order, whatever the row count: a row's result does not depend on its batch.
 // Here it ran 1.15-1.3x oneDNN's packed GEMM from 24 to 2048 rows (the 4 linears of a
-// layer: 133 against 107 GFLOP/s at 64 rows, 164 against 141 at 512). A tile also
-// prefetches a share of the next panel, which a thread's next tile would otherwise wait
-// on from DRAM: the first tile over a panel reads 64 bytes per 6 cycles, more than a
-// core's share of the bandwidth (5-10% faster at 24-256 rows over 12 layers' weights).
+// layer: 133 against 107 GFLOP/s at 64 rows, 164 against 141 at 512). Each tile also
+// prefetches a share of the next panel, so the thread's first tile over it does not wait
+// on DRAM: that tile reads 64 bytes per 6 cycles, more than a core's share of the
+// bandwidth (5-10% faster at 24-256 rows over 12 layers' weights).
 constexpr int64_t kPanel = 16;
 constexpr int64_t kTileRows = 6;
 constexpr int64_t kChunkRows = 256;
@@ -202,8 +202,7 @@ at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& panels, int64_t o
         const float* panel = wp + p * K * kPanel;
         const float* pb = bp ? bp + p * kPanel : nullptr;
         const int64_t cols = std::min(kPanel, N - p * kPanel);
-        // The next panel comes from memory while this one's tiles run: tile t prefetches
-        // its lines t, t + tiles, ..., so the next panel's first tile does not wait on DRAM.
+        // tile t prefetches the next panel's lines t, t + tiles, ... (see above)
         const int64_t tiles = (rows + kTileRows - 1) / kTileRows;
         const float* next = p + 1 < end ? panel + K * kPanel : nullptr;
         for (int64_t m = r0, t = 0; m < r0 + rows; m += kTileRows, ++t) {
