@@ -25,6 +25,8 @@
 #include <limits>
 #include <vector>
 
+#include "../../core/csrc/claims.h"  // parallel_claims
+
 namespace {
 
 // Eight floats, one AVX register where the build has them (GCC/Clang vector extension).
@@ -174,7 +176,8 @@ at::Tensor decode(const at::Tensor& q, const at::Tensor& key_cache, const at::Te
     return cache + (tp[b * max_blocks + i] * Hkv + h) * block_size * D;
   };
 
-  at::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
+  // two (sequence, KV head) tasks a claim: lengths differ, and so may the threads' cores
+  modserve::parallel_claims(B * Hkv, 2, [&](int64_t begin, int64_t end) {
     std::vector<float> scores;
     std::vector<float> row_scores(G);
     for (int64_t task = begin; task < end; ++task) {

@@ -5,8 +5,8 @@
 // checkpoint's weights are exact in bfloat16, so reading that copy moves half the bytes
 // of float32 ones and gives float32 results (a bf16 value widened is a float32 with
 // zeroed low bits). Every weight row is read once for up to 8 rows of x (9-16 rows take
-// two passes): threads split the output features, and x (a few rows of `in` floats)
-// stays in cache.
+// two passes): threads claim the output features in pieces (claims.h), and x (a few
+// rows of `in` floats) stays in cache.
 //
 // Beyond a few rows, panel_linear (below) is the float32 GEMM of batched steps.
 //
@@ -19,6 +19,8 @@
 #include <torch/library.h>
 
 #include <immintrin.h>
+
+#include "claims.h"
 
 #include <algorithm>
 #include <cstdint>
@@ -150,6 +152,7 @@ void rows_times_weight_pairs(const float* x, const uint16_t* w, const float* bia
 constexpr int64_t kPanel = 16;
 constexpr int64_t kTileRows = 6;
 constexpr int64_t kChunkRows = 256;
+constexpr int64_t kClaimPanels = 2;  // threads take panels two at a time (claims.h)
 
 inline v8 splat(float s) { return v8{s, s, s, s, s, s, s, s}; }  // one vbroadcastss, no add
 
@@ -197,14 +200,15 @@ at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& panels, int64_t o
   float* yp = y.data_ptr<float>();
   for (int64_t r0 = 0; r0 < M; r0 += kChunkRows) {
     const int64_t rows = std::min(kChunkRows, M - r0);
-    at::parallel_for(0, P, 1, [&](int64_t begin, int64_t end) {  // threads split the panels
+    // tile t prefetches the next panel's lines t, t + tiles, ... (see above); the panel
+    // after a claim may go to the other thread, and then the prefetch only spent bandwidth
+    const int64_t tiles = (rows + kTileRows - 1) / kTileRows;
+    modserve::parallel_claims(P, kClaimPanels, [&](int64_t begin, int64_t end) {
       for (int64_t p = begin; p < end; ++p) {
         const float* panel = wp + p * K * kPanel;
         const float* pb = bp ? bp + p * kPanel : nullptr;
         const int64_t cols = std::min(kPanel, N - p * kPanel);
-        // tile t prefetches the next panel's lines t, t + tiles, ... (see above)
-        const int64_t tiles = (rows + kTileRows - 1) / kTileRows;
-        const float* next = p + 1 < end ? panel + K * kPanel : nullptr;
+        const float* next = p + 1 < P ? panel + K * kPanel : nullptr;
         for (int64_t m = r0, t = 0; m < r0 + rows; m += kTileRows, ++t) {
           const float* xm = xp + m * K;
           float* ym = yp + m * N + p * kPanel;
@@ -247,8 +251,9 @@ at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& weight, const c10:
     const int64_t rows = std::min(per_pass, M - r);
     const float* xr = xp + r * K;
     float* yr = yp + r * N;
-    // grain: at least 64 output features (~100 KB of weights) per task
-    at::parallel_for(0, N, 64, [&](int64_t begin, int64_t end) {
+    // four claims a thread, of at least 64 output features (~100 KB of weights) each (claims.h)
+    const int64_t grain = std::max<int64_t>(64, (N + 4 * at::get_num_threads() - 1) / (4 * at::get_num_threads()));
+    modserve::parallel_claims(N, grain, [&](int64_t begin, int64_t end) {
       switch (rows) {
         case 1: rows_times_weights<1, 4>(xr, wp, bp, yr, K, N, begin, end); break;
         case 2: rows_times_weights<2, 2>(xr, wp, bp, yr, K, N, begin, end); break;
