@@ -178,8 +178,9 @@ at::Tensor decode(const at::Tensor& q, const at::Tensor& key_cache, const at::Te
 
   // two (sequence, KV head) tasks a claim: lengths differ, and so may the threads' cores
   modserve::parallel_claims(B * Hkv, 2, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores;
-    std::vector<float> row_scores(G);
+    // a thread's scratch outlives its claims (~128 of them a call), so it is allocated once
+    thread_local std::vector<float> scores, row_scores;
+    row_scores.resize(G);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t b = task / Hkv, h = task % Hkv;
       const int64_t len = lp[b];
