@@ -64,7 +64,21 @@ class EngineConfig(BaseModel):
     num_swap_blocks: int | None = Field(None, ge=0, description="Exact host block count (overrides swap_space_gb)")
     max_num_seqs: int = Field(128, gt=0, description="Most sequences running at once")
     max_num_batched_tokens: int = Field(2048, gt=0, description="Token budget of one step (prefill chunk size)")
-    max_waiting_requests: int = Field(1024, gt=0, description="Server: beyond this, 503")
+    max_waiting_requests: int = Field(
+        1024, gt=0, description="Server: requests waiting for their first token; beyond this, 503 (a single "
+        "request with more prompts than this is a 400: it could never be admitted)")
+    max_request_body_bytes: int | None = Field(
+        None, gt=0, description="Server: largest request body accepted, else 413; default: 1 MiB plus "
+        "64 bytes per token of max_model_len")
+    request_read_timeout: float = Field(
+        30.0, gt=0, description="Server: seconds a client may take to send a request's headers, and "
+        "again its body; past it the connection is closed (headers) or answered 408 (body)")
+    shutdown_timeout: float = Field(
+        30.0, ge=0, description="Server: on SIGTERM/SIGINT, seconds to let requests in flight finish; then "
+        "streams end with an error event and [DONE], others get 503")
+    allow_special_tokens_in_content: bool = Field(
+        False, description="Server chat: let special-token text in message content (<|im_start|>...) become "
+        "control tokens; off, it is encoded as plain text so a user cannot forge a turn")
     seed: int = Field(0, description="Seed of the global sampling RNG (per-request seeds are separate)")
     device: str = Field("cpu", description="torch device: cpu, cuda, cuda:1")
     num_threads: int | None = Field(None, gt=0, description="torch intra-op threads (default: torch's)")
@@ -82,6 +96,11 @@ class EngineConfig(BaseModel):
         PluginChoice(name="auto"), description="Structured outputs: a grammar backend plugin, or auto "
         "(the first registered backend that compiles the spec: xgrammar, then outlines, then others)")
     grammar_cache_size: int = Field(256, gt=0, description="Compiled grammars kept (LRU), per engine")
+    grammar_compile_workers: int = Field(
+        2, gt=0, description="Threads compiling structured-output grammars: a slow compile holds one")
+    grammar_compile_timeout: float = Field(
+        10.0, gt=0, description="Seconds a grammar may take to compile; past it that request is refused "
+        "(400 at the server) and the compile finishes in the background for the cache")
     speculative: SpeculativeConfig | None = Field(None, description="Speculative decoding; off when unset")
 
     @field_validator("model")

@@ -5,7 +5,8 @@ from __future__ import annotations
 import logging
 import time
 from concurrent.futures import Future
-from dataclasses import dataclass
+from collections import deque
+from dataclasses import dataclass, field
 from itertools import count
 from typing import Any
 
@@ -19,7 +20,7 @@ from modserve.core.interfaces import ProposerContext, SamplerOutput, SchedulerLi
 from modserve.core.loader import load_hf_config
 from modserve.core.model_runner import ModelRunner
 from modserve.core.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from modserve.core.registry import Registry, get_registry
+from modserve.core.registry import PluginError, Registry, get_registry
 from modserve.core.sampling_params import SamplingParams
 from modserve.core.scheduler import ScheduledStep, SchedulerCore, SwapSpace
 from modserve.core.sequence import Sequence, SequenceStatus
@@ -73,8 +74,10 @@ class LLMEngine:
         self._seq_ids = count()
         self.counters = {"prompt_tokens": 0, "computed_tokens": 0, "generation_tokens": 0, "steps": 0}
         self.grammar = GrammarCompiler(registry, config.grammar_backend, config.tokenizer or config.model,
-                                       self.runner.vocab_size, self.eos_token_ids, config.grammar_cache_size)
+                                       self.runner.vocab_size, self.eos_token_ids, config.grammar_cache_size,
+                                       config.grammar_compile_workers, config.grammar_compile_timeout)
         self.compiling: dict[str, Future] = {}  # request id -> its grammar, still compiling
+        self.isolation = StepIsolation()
         self.proposer = None
         if config.speculative is not None:
             context = ProposerContext(config, registry, self.runner.device, self.dtype, self.num_blocks,
@@ -142,6 +145,7 @@ class LLMEngine:
         text = prompt if isinstance(prompt, str) else None
         token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         self.validate_prompt(token_ids)
+        self.validate_params(params)
         grammar = None
         if params.structured_outputs is not None:
             grammar = self.grammar.submit(params.structured_outputs.spec())
@@ -179,6 +183,17 @@ class LLMEngine:
         if bad is not None:
             raise ValueError(f"prompt token id {bad} is outside the vocabulary [0, {vocab})")
 
+    def validate_params(self, params: SamplingParams) -> None:
+        """What a request's settings must satisfy on this engine (its vocabulary and limits),
+        beyond SamplingParams' own checks; each ValueError starts with the field's name."""
+        if params.n > self.config.max_num_seqs:
+            raise ValueError(f"n must be at most max_num_seqs={self.config.max_num_seqs} (the sequences this "
+                             f"engine runs at once), got {params.n}")
+        vocab = self.runner.vocab_size
+        bad = next((t for t in params.stop_token_ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ValueError(f"stop_token_ids holds {bad}, outside the vocabulary [0, {vocab})")
+
     def abort_request(self, request_id: str) -> RequestOutput | None:
         req = self.requests.pop(request_id, None)
         if req is None:
@@ -201,7 +216,10 @@ class LLMEngine:
                 seq.grammar = compiled.matcher()
         # The other samples fork from the first once its prompt is computed: one prefill, shared blocks.
         req.seqs[0].pending_forks = req.seqs[1:]
-        self.scheduler.add(req.seqs[0])
+        if self.isolation.active:
+            self.isolation.held.append(req.seqs[0])
+        else:
+            self.scheduler.add(req.seqs[0])
 
     def _admit_compiled(self) -> list[RequestOutput]:
         """Schedule requests whose grammar is ready; end those whose spec was refused."""
@@ -224,12 +242,116 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         if not self.compiling:
-            return self._step()
+            return self._guarded_step()
         outputs = self._admit_compiled()
-        if not outputs and not self.scheduler.has_work():
+        if not outputs and not self.scheduler.has_work() and not self.isolation.active:
             wait_any(self.compiling.values(), timeout=0.05)  # only compiles left: wait, don't spin
             outputs = self._admit_compiled()
-        return outputs + self._step()
+        return outputs + self._guarded_step()
+
+    # -- a failed step fails only the requests it belongs to ------------------------------
+    def _guarded_step(self) -> list[RequestOutput]:
+        """``_step``, and when it raises, find the request(s) at fault instead of failing all.
+
+        NOTE: every sequence drops its KV and keeps its tokens (a recompute preemption),
+        then each request that was in the scheduler runs alone until it has sampled again:
+        one that raises alone is failed with the error, the others go on together. Greedy
+        outputs are those of an undisturbed run, as after any recompute preemption.
+        """
+        iso = self.isolation
+        if iso.active and iso.probe is None:
+            self._next_probe()
+        try:
+            outputs = self._step()
+        except PluginError:
+            raise  # a plugin broke its contract (it is named): no request is at fault
+        except Exception as e:
+            return self._step_failed(e)
+        if not iso.active:
+            iso.cleared_all = False
+        if iso.probe is not None and self._probe_done(iso.probe):
+            # Cleared: out again (its KV too), so the next suspect also runs alone.
+            iso.probe = None
+            iso.held.extend(self._evict_all())
+            if not iso.suspects:
+                self._end_isolation()
+        return outputs
+
+    def _step_failed(self, error: Exception) -> list[RequestOutput]:
+        iso = self.isolation
+        if iso.probe is not None:  # it failed alone: it is the culprit
+            logger.error("request %s failed alone in a step; failing it: %s", iso.probe, error, exc_info=error)
+            rid, iso.probe, iso.found_culprit = iso.probe, None, True
+            outputs = self._fail_request(rid, error)
+            if not iso.suspects:
+                self._end_isolation()
+            return outputs
+        suspects = [rid for rid in dict.fromkeys(s.request_id for s in self.scheduler.running
+                                                 + list(self.scheduler.swapped) + list(self.scheduler.waiting))]
+        if iso.cleared_all:
+            # Every suspect ran alone without fault and then failed together again: the fault is
+            # in the combination, not in one request; fail the ones in flight rather than loop.
+            logger.error("step failed again after isolation found no culprit; failing %d requests",
+                         len(suspects), exc_info=error)
+            outputs = [o for rid in suspects for o in self._fail_request(rid, error)]
+            return outputs
+        logger.warning("engine step failed (%s: %s); running its %d requests one at a time to find the "
+                       "culprit", type(error).__name__, error, len(suspects))
+        iso.start(suspects, self._evict_all())
+        return []
+
+    def _evict_all(self) -> list[Sequence]:
+        seqs = self.scheduler.evict_all()
+        for seq in seqs:
+            seq.spec_tokens, seq.spec_probs, seq.num_lookahead = [], None, 0
+            if self.proposer is not None:
+                self.proposer.forget(seq)
+        return seqs
+
+    def _next_probe(self) -> None:
+        """Put the next suspect's sequences alone into the scheduler."""
+        iso = self.isolation
+        while iso.suspects:
+            rid = iso.suspects.popleft()
+            mine = [s for s in iso.held if s.request_id == rid]
+            if rid in self.requests and mine:
+                iso.held = [s for s in iso.held if s.request_id != rid]
+                for seq in mine:
+                    self.scheduler.add(seq)
+                iso.probe = rid
+                return
+        self._end_isolation()
+
+    def _probe_done(self, rid: str) -> bool:
+        """True once the probed request ran a full step past its old progress, or ended."""
+        req = self.requests.get(rid)
+        if req is None:
+            return True
+        live = [s for s in req.seqs if not s.is_finished]
+        return all(s.status is SequenceStatus.RUNNING and s.num_computed_tokens == s.num_tokens - 1
+                   and not s.pending_forks for s in live)
+
+    def _end_isolation(self) -> None:
+        iso = self.isolation
+        for seq in iso.held:
+            if seq.request_id in self.requests:
+                self.scheduler.add(seq)
+        iso.finish()
+
+    def _fail_request(self, request_id: str, error: Exception) -> list[RequestOutput]:
+        """End one request with ``error``: its blocks are freed, its output says why."""
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return []
+        self.compiling.pop(request_id, None)
+        self.isolation.held = [s for s in self.isolation.held if s.request_id != request_id]
+        for seq in req.seqs:
+            if not seq.is_finished:
+                self._remove(seq)
+                seq.finish_reason = "error"
+        out = self._output(req)
+        out.error = f"{type(error).__name__}: {error}"
+        return [out]
 
     def _step(self) -> list[RequestOutput]:
         if not self.scheduler.has_work():
@@ -259,10 +381,17 @@ class LLMEngine:
             seq.num_lookahead = 0
             self.allocator.mark_computed(seq)
             if seq.pending_forks and seq.num_computed_tokens == seq.num_tokens:
+                free_slots = self.config.max_num_seqs - len(self.scheduler.running)
                 for child in seq.pending_forks:
-                    child.num_computed_tokens = seq.num_computed_tokens
-                    self.allocator.fork(seq, child)
-                    self.scheduler.add_running(child)
+                    if free_slots > 0:
+                        child.num_computed_tokens = seq.num_computed_tokens
+                        self.allocator.fork(seq, child)
+                        self.scheduler.add_running(child)
+                        free_slots -= 1
+                    else:
+                        # No sequence slot left: it waits like a preempted sequence, behind the
+                        # requests already waiting (its prompt's full blocks are likely cached).
+                        self.scheduler.add(child)
                 seq.pending_forks = []
         self.counters["computed_tokens"] += scheduled.num_tokens
         self.counters["steps"] += 1
@@ -401,6 +530,28 @@ class LLMEngine:
             "weight_bytes": self.runner.weight_bytes,  # as allocated, quantized or not
             "kv_cache_bytes": sum(c.numel() * c.element_size() for c in self.runner.kv_caches),
         }
+
+
+@dataclass(slots=True)
+class StepIsolation:
+    """The engine's state while it looks for the request that made a step fail."""
+
+    suspects: deque[str] = field(default_factory=deque)  # request ids still to run alone
+    held: list[Sequence] = field(default_factory=list)  # kept out of the scheduler meanwhile
+    probe: str | None = None  # the request running alone now
+    active: bool = False
+    found_culprit: bool = False
+    # The last isolation found no culprit and no step has succeeded since: the fault is in
+    # the combination of requests, and isolating again would only loop.
+    cleared_all: bool = False
+
+    def start(self, suspects: list[str], held: list[Sequence]) -> None:
+        self.suspects, self.held, self.probe = deque(suspects), held, None
+        self.active, self.found_culprit = True, False
+
+    def finish(self) -> None:
+        self.cleared_all = not self.found_culprit
+        self.held, self.probe, self.active = [], None, False
 
 
 def _grammar_prefix(matcher: Any, drafts: list[int]) -> list[int]:

@@ -64,7 +64,8 @@ class GrammarCompiler:
     """
 
     def __init__(self, registry: Registry, choice: PluginChoice, tokenizer_path: str, vocab_size: int,
-                 eos_token_ids: Iterable[int], cache_size: int = 256, num_workers: int = 1) -> None:
+                 eos_token_ids: Iterable[int], cache_size: int = 256, num_workers: int = 2,
+                 timeout: float = 10.0) -> None:
         self.registry = registry
         self.auto = choice.name == AUTO
         if self.auto:
@@ -81,6 +82,7 @@ class GrammarCompiler:
         self.tokenizer_key = f"{tokenizer_path}@{vocab_size}"
         self.cache_size = cache_size
         self.num_workers = num_workers
+        self.timeout = timeout  # seconds a caller waits for a compile (see result)
         self.hits = self.misses = 0
         self._cache: OrderedDict[tuple, Future] = OrderedDict()
         self._backends: dict[str, GrammarBackend | Exception] = {}
@@ -113,6 +115,15 @@ class GrammarCompiler:
     def compile(self, spec: GrammarSpec, timeout: float | None = None) -> CompiledGrammar:
         """``submit`` and wait: raises the ValueError of a refused spec."""
         return self.submit(spec).result(timeout)
+
+    def result(self, future: Future, spec: GrammarSpec) -> CompiledGrammar:
+        """Wait for ``future`` at most ``self.timeout`` seconds; a ValueError naming the
+        timeout past it (the compile goes on, and its grammar is cached when done)."""
+        try:
+            return future.result(self.timeout)
+        except TimeoutError:
+            raise ValueError(timeout_message(spec, self.timeout)) from None
+
 
     def _forget_failure(self, key: tuple, future: Future) -> None:
         # Refused specs are not kept: a cache full of bad schemas would push out good ones.
@@ -179,6 +190,11 @@ class GrammarCompiler:
     def stats(self) -> dict[str, int]:
         return {"grammar_cache_size": len(self._cache), "grammar_cache_hits": self.hits,
                 "grammar_cache_misses": self.misses}
+
+
+def timeout_message(spec: GrammarSpec, timeout: float) -> str:
+    return (f"the {spec.kind} constraint did not compile within grammar_compile_timeout={timeout:g} s; "
+            "simplify it, or retry later (the compile goes on and is cached)")
 
 
 def wait_any(futures: Iterable[Future], timeout: float) -> None:

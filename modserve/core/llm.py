@@ -68,10 +68,12 @@ class LLM:
             raise ValueError(f"priority has {len(priorities)} entries for {len(prompts)} prompts")
         # Compile every constraint first (on the engine's grammar workers): a refused
         # schema is a ValueError here, before any request is queued.
-        grammars = [self.engine.grammar.submit(p.structured_outputs.spec())
-                    for p in params if p.structured_outputs is not None]
-        for grammar in grammars:
-            grammar.result()
+        compiler = self.engine.grammar
+        specs = [p.structured_outputs.spec() for p in params if p.structured_outputs is not None]
+        for spec, grammar in [(spec, compiler.submit(spec)) for spec in specs]:
+            compiler.result(grammar, spec)
+        for p in params:
+            self.engine.validate_params(p)
         order = {}
         try:
             for prompt, p, prio in zip(prompts, params, priorities):

@@ -11,7 +11,7 @@ class CompletionOutput:
     index: int
     text: str
     token_ids: list[int]
-    finish_reason: str | None = None  # "stop" | "length" | "abort" | None while running
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error" | None while running
     stop_reason: int | str | None = None  # the stop string or stop token id that ended it
     # One entry per generated token: {"token_id", "logprob", "rank", "top": {token_id: logprob}}
     logprobs: list[dict[str, Any]] | None = None
@@ -47,3 +47,6 @@ class RequestOutput:
     finished: bool
     metrics: RequestMetrics
     num_cached_tokens: int = 0
+    # Why the engine failed this request (finish_reason "error"): a fault inside a step
+    # that was traced to it alone; the other requests of that step went on.
+    error: str | None = None

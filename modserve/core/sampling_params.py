@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from modserve.core.structured_outputs import StructuredOutputs
+
+
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+INT_FIELDS = ("n", "max_tokens", "min_tokens", "top_k", "seed", "logprobs")
+FLOAT_FIELDS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
 
 
 @dataclass(slots=True)
@@ -47,6 +53,18 @@ class SamplingParams:
         def bad(field_name: str, why: str) -> ValueError:
             return ValueError(f"{field_name} {why}, got {getattr(self, field_name)!r}")
 
+        # Values reach int64 tensors and float32 maths: out of range there is an error
+        # inside a step, so it is refused here, naming the field.
+        for name in INT_FIELDS:
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or not INT64_MIN <= value <= INT64_MAX):
+                raise bad(name, "must be an integer in the 64-bit range")
+        for name in FLOAT_FIELDS:
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                raise bad(name, "must be a finite number")
+        if any(not isinstance(t, int) or t > INT64_MAX for t in self.stop_token_ids):
+            raise bad("stop_token_ids", "must be integer token ids")
         if self.n < 1:
             raise bad("n", "must be at least 1")
         if self.max_tokens is not None and self.max_tokens < 1:

@@ -106,6 +106,20 @@ class SchedulerCore(SchedulerView):
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or self.swapped)
 
+    def evict_all(self) -> list[Sequence]:
+        """Empty every queue after a failed step: each sequence drops its KV (device and
+        host) and keeps its tokens, as a recompute preemption does. Returns them running
+        first (in admission order), then swapped, then waiting, for the engine to re-add."""
+        seqs = [*self.running, *self.swapped, *self.waiting]
+        self.running, self.swapped, self.waiting = [], deque(), deque()
+        for seq in seqs:
+            if self.swap_space is not None and seq.seq_id in self.swap_space.held:
+                self.swap_space.give_back(self.swap_space.held.pop(seq.seq_id))
+            self.allocator.free(seq)
+            seq.num_computed_tokens = 0
+            seq.status = SequenceStatus.WAITING
+        return seqs
+
     # -- one step ---------------------------------------------------------------------
     def step(self) -> ScheduledStep:
         schedule = self.policy.schedule(self)
