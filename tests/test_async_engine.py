@@ -56,7 +56,7 @@ def test_outputs_are_cumulative_and_end_finished(engine):
 def test_add_failure_goes_to_its_caller_only(engine):
     async def body(ae: AsyncEngine) -> None:
         good = asyncio.create_task(final(ae, [5, 6, 7]))
-        with pytest.raises(ValueError, match="outside the vocabulary"):
+        with pytest.raises(EngineError, match="outside the vocabulary"):
             await final(ae, [10**8])
         assert (await good).finished
         assert (await final(ae, [8, 9])).finished

@@ -8,83 +8,18 @@ so the last tests check through /metrics that every block came back.
 from __future__ import annotations
 
 import json
-import os
 import signal
-import socket
-import subprocess
-import sys
-import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
-from pathlib import Path
 
 import httpx
 import openai
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
+from server_process import (Server, launch as _launch, stop as _stop, wait_for as _wait_for,
+                            wait_healthy as _wait_healthy)
 
 MODEL = "tiny-llama"
 KEY = "sekret-key"
 GREEDY = dict(temperature=0.0, max_tokens=24, extra_body={"ignore_eos": True})
-
-
-@dataclass
-class Server:
-    proc: subprocess.Popen
-    url: str
-    log: Path
-
-    def client(self, api_key: str = "none") -> openai.OpenAI:
-        return openai.OpenAI(base_url=f"{self.url}/v1", api_key=api_key, max_retries=0, timeout=60)
-
-    def metrics(self) -> dict[str, float]:
-        """Every sample in /metrics by name (labels folded into the name)."""
-        text = httpx.get(f"{self.url}/metrics").text
-        out = {}
-        for family in text_string_to_metric_families(text):
-            for s in family.samples:
-                labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()))
-                out[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
-        return out
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _launch(tmp: Path, name: str, *flags: str, env: dict[str, str] | None = None) -> Server:
-    port = _free_port()
-    log = tmp / f"{name}.log"
-    cmd = [sys.executable, "-m", "modserve", "--log-level", "info", "serve", "--port", str(port), *flags]
-    with open(log, "w") as f:  # a file, not a pipe: a full pipe would stall the server
-        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
-    return Server(proc, f"http://127.0.0.1:{port}", log)
-
-
-def _wait_healthy(server: Server, timeout: float = 90) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if server.proc.poll() is not None:
-            raise RuntimeError(f"server exited ({server.proc.returncode}):\n{server.log.read_text()}")
-        try:
-            if httpx.get(f"{server.url}/health", timeout=1).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    raise TimeoutError(f"server not healthy after {timeout} s:\n{server.log.read_text()}")
-
-
-def _stop(server: Server) -> int:
-    if server.proc.poll() is None:
-        server.proc.send_signal(signal.SIGTERM)
-    try:
-        return server.proc.wait(timeout=20)
-    except subprocess.TimeoutExpired:
-        server.proc.kill()
-        return server.proc.wait()
 
 
 @pytest.fixture(scope="module")
@@ -303,7 +238,7 @@ BAD = [
     ("/v1/completions", {"prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
     ("/v1/completions", {"prompt": "x", "logprobs": 9}, 400, "logprobs"),
     ("/v1/completions", {"prompt": "x", "min_tokens": 9, "max_tokens": 2}, 400, "min_tokens"),
-    ("/v1/completions", {"prompt": "x", "stop_token_ids": [-1]}, 400, "stop_token_ids"),
+    ("/v1/completions", {"prompt": "x", "stop_token_ids": [-1]}, 400, "stop_token_ids.0"),
     ("/v1/completions", {"prompt": "x", "echo": True, "logprobs": 1}, 400, "echo"),
     ("/v1/completions", {"prompt": "x", "bogus": 1}, 400, "bogus"),
     ("/v1/completions", {"prompt": "x", "stream_options": {"include_usage": True}}, 400, "stream_options"),
@@ -358,13 +293,6 @@ def test_api_key(guarded):
     assert httpx.get(f"{guarded.url}/health").status_code == 200
     r = guarded.client(KEY).completions.create(model=MODEL, prompt="x", max_tokens=2, temperature=0)
     assert r.choices[0].text is not None
-
-
-def _wait_for(predicate, timeout: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.05)
 
 
 def test_overload_gets_503_with_retry_after(guarded):

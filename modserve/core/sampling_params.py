@@ -9,6 +9,7 @@ from modserve.core.structured_outputs import StructuredOutputs
 
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+FLOAT32_TINY = 1.1754943508222875e-38  # torch.finfo(torch.float32).tiny
 INT_FIELDS = ("n", "max_tokens", "min_tokens", "top_k", "seed", "logprobs")
 FLOAT_FIELDS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
 
@@ -63,6 +64,10 @@ class SamplingParams:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
                 raise bad(name, "must be a finite number")
+        for name in ("top_p", "repetition_penalty"):
+            # Divisors and thresholds in float32: below its smallest normal they become 0.
+            if 0 < getattr(self, name) < FLOAT32_TINY:
+                raise bad(name, f"must be at least {FLOAT32_TINY:.3g} (it is used in float32)")
         if any(not isinstance(t, int) or t > INT64_MAX for t in self.stop_token_ids):
             raise bad("stop_token_ids", "must be integer token ids")
         if self.n < 1:

@@ -22,9 +22,12 @@ from modserve.server.chat import chat_prompt, create_chat_completion
 from modserve.server.completions import create_completion
 from modserve.server.errors import APIError, from_validation_error, invalid
 from modserve.server.metrics import ServerMetrics
+from modserve.server.openapi import declare_errors
 from modserve.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                       DetokenizeResponse, ModelCard, ModelList, TokenizeRequest, TokenizeResponse)
+from modserve.server.limits import BodyLimitMiddleware, default_max_body_bytes
 from modserve.server.serving import ServerState
+from modserve.server.tokenizer_pool import TokenizerPool
 
 logger = logging.getLogger("modserve.server")
 
@@ -37,13 +40,16 @@ def create_app(engine: LLMEngine, api_key: str | None = None) -> FastAPI:
     config = engine.config
     metrics = ServerMetrics()
     async_engine = AsyncEngine(engine, observer=metrics)
+    tokenizer_path = config.tokenizer or config.model
     state = ServerState(
         engine=async_engine,
-        tokenizer=Tokenizer(config.tokenizer or config.model, config.model),
+        tokenizer=Tokenizer(tokenizer_path, config.model),
+        pool=TokenizerPool(tokenizer_path, config.model),
         model_name=config.served_model_name or config.model,
-        model_path=config.model,
         max_model_len=engine.max_model_len,
         max_waiting_requests=config.max_waiting_requests,
+        grammar_timeout=config.grammar_compile_timeout,
+        allow_special_tokens_in_content=config.allow_special_tokens_in_content,
     )
 
     @asynccontextmanager
@@ -54,15 +60,19 @@ def create_app(engine: LLMEngine, api_key: str | None = None) -> FastAPI:
             yield
         finally:
             async_engine.stop()
+            state.pool.close()
             logger.info("engine stopped")
 
     app = FastAPI(title="modserve", version=modserve.__version__, lifespan=lifespan)
     app.state.server = state
     app.state.metrics = metrics
-    if api_key:
+    max_body = config.max_request_body_bytes or default_max_body_bytes(engine.max_model_len)
+    app.add_middleware(BodyLimitMiddleware, max_bytes=max_body, timeout=config.request_read_timeout)
+    if api_key:  # outermost: a request without the key is refused before its body is read
         app.add_middleware(APIKeyMiddleware, api_key=api_key)
     _add_error_handlers(app)
     _add_routes(app, state, metrics)
+    declare_errors(app)
     return app
 
 
@@ -88,6 +98,8 @@ def _add_routes(app: FastAPI, state: ServerState, metrics: ServerMetrics) -> Non
     async def health() -> Response:
         if not state.engine.alive:
             raise APIError(503, "the engine is not running", type="server_error", code="engine_dead")
+        if state.draining:
+            raise APIError(503, "the server is shutting down", type="server_error", code="server_shutting_down")
         return JSONResponse({"status": "ok"})
 
     @app.get("/version")
@@ -104,9 +116,9 @@ def _add_routes(app: FastAPI, state: ServerState, metrics: ServerMetrics) -> Non
         if (body.prompt is None) == (body.messages is None):
             raise invalid("prompt", "give exactly one of prompt or messages")
         if body.messages is not None:
-            tokens = chat_prompt(state, body.messages, body.add_generation_prompt)
+            tokens = await chat_prompt(state, body.messages, body.add_generation_prompt)
         else:
-            tokens = state.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+            tokens = await state.encode(body.prompt, "prompt", add_special_tokens=body.add_special_tokens)
         return TokenizeResponse(count=len(tokens), max_model_len=state.max_model_len, tokens=tokens)
 
     @app.post("/detokenize")
@@ -115,11 +127,13 @@ def _add_routes(app: FastAPI, state: ServerState, metrics: ServerMetrics) -> Non
         vocab = state.tokenizer.vocab_size
         if any(not 0 <= t < vocab for t in body.tokens):
             raise invalid("tokens", f"token ids must be in [0, {vocab})")
-        return DetokenizeResponse(prompt=state.tokenizer.decode(body.tokens))
+        text = await state.pool.run(lambda tok: tok.decode(body.tokens))
+        return DetokenizeResponse(prompt=text)
 
 
 def _model_card(state: ServerState) -> ModelCard:
-    return ModelCard(id=state.model_name, root=state.model_path, max_model_len=state.max_model_len)
+    # root is the served name, as vLLM reports it: the local path is nobody's business.
+    return ModelCard(id=state.model_name, root=state.model_name, max_model_len=state.max_model_len)
 
 
 def _add_error_handlers(app: FastAPI) -> None:
@@ -144,7 +158,8 @@ def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(Exception)
     async def unexpected(request: Request, exc: Exception) -> Response:
         logger.exception("unhandled error in %s %s", request.method, request.url.path)
-        return APIError(500, f"internal server error: {type(exc).__name__}: {exc}", type="server_error").response()
+        # The server's own bug: what went wrong is in its log, not in the answer.
+        return APIError(500, "internal server error (logged on the server)", type="server_error").response()
 
 
 class APIKeyMiddleware:

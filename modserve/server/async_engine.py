@@ -36,6 +36,10 @@ class EngineDead(RuntimeError):
     """The engine thread is not running (stopped, or never started)."""
 
 
+class ShuttingDown(EngineError):
+    """The server's drain timeout ran out before this request finished."""
+
+
 class RequestObserver(Protocol):
     """Told about every request's end (metrics listen here)."""
 
@@ -136,12 +140,28 @@ class AsyncEngine:
         self.last_stats = await future
         return self.last_stats
 
+    @property
+    def num_in_flight(self) -> int:
+        """Engine requests submitted and not yet ended (loop thread)."""
+        return len(self._routes)
+
+    def cancel_all(self, error: EngineError) -> None:
+        """End every request in flight with ``error`` (loop thread): their streams raise it,
+        and the engine aborts them, freeing their blocks."""
+        ids = list(self._routes)
+        self._deliver([(rid, error) for rid in ids])
+        for rid in ids:
+            self._commands.put(_Abort(rid))
+
     def _deliver(self, batch: list[tuple[str, Result]]) -> None:
         for rid, result in batch:
             stream = self._routes.get(rid)
             if stream is None:
                 continue  # aborted while this step ran
             self._waiting.discard(rid)
+            if isinstance(result, RequestOutput) and result.error is not None:
+                # A fault inside a step, traced to this request alone: the others went on.
+                result = EngineError(f"the engine failed on this request: {result.error}")
             ended = isinstance(result, BaseException) or result.finished
             if ended:
                 del self._routes[rid]
@@ -192,7 +212,8 @@ class AsyncEngine:
                 engine.add_request(command.request_id, command.prompt_token_ids, command.params,
                                    command.arrival_time, command.priority)
             except Exception as e:  # goes to that request alone
-                self._emit([(command.request_id, e)])
+                error = e if isinstance(e, EngineError) else EngineError(f"the engine refused the request: {e}")
+                self._emit([(command.request_id, error)])
         elif isinstance(command, _Abort):
             engine.abort_request(command.request_id)
         elif isinstance(command, _Stats):

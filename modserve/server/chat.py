@@ -10,7 +10,6 @@ from starlette.background import BackgroundTask
 
 from modserve.core.outputs import RequestOutput
 from modserve.server.async_engine import EngineError, RequestStream
-from modserve.server.errors import invalid
 from modserve.server.logprobs import chat_logprobs
 from modserve.server.protocol import (ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest,
                                       ChatCompletionResponse, ChatMessage, ChatMessageOut, DeltaMessage, Usage,
@@ -19,23 +18,20 @@ from modserve.server.serving import (SSE_DONE, ServerState, StreamTally, arrival
                                      final_outputs, new_id, sse, usage_counts)
 
 
-def chat_prompt(state: ServerState, messages: list[ChatMessage], add_generation_prompt: bool = True) -> list[int]:
-    tok = state.tokenizer
-    try:
-        text = tok.apply_chat_template([m.as_template_input() for m in messages], add_generation_prompt)
-    except ValueError as e:  # no template
-        raise invalid("messages", str(e)) from None
-    # The template already wrote every special token the model expects.
-    return tok.encode(text, add_special_tokens=False)
+async def chat_prompt(state: ServerState, messages: list[ChatMessage], add_generation_prompt: bool = True) -> list[int]:
+    # The template writes every special token the model expects; the content's own
+    # special-token text stays text (unless the server allows it).
+    return await state.encode_chat([m.as_template_input() for m in messages], add_generation_prompt)
 
 
 async def create_chat_completion(body: ChatCompletionRequest, state: ServerState, request: Request) -> Response:
     arrival = arrival_time()
     state.check_model(body.model)
     body.check()
-    prompt = chat_prompt(state, body.messages, body.add_generation_prompt)
-    state.check_prompt(prompt, "messages")
     params = body.sampling_params(body.max_new_tokens, body.num_logprobs)
+    state.check_params(params)
+    prompt = await chat_prompt(state, body.messages, body.add_generation_prompt)
+    state.check_prompt(prompt, "messages")
     await state.compile_grammar(params, body.constraint_param)
     stream = state.submit([prompt], params, arrival, body.priority)
     response_id = new_id("chatcmpl")

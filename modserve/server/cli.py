@@ -35,7 +35,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         use_demo_model(args)
     config = config_from_args(args)
     engine = LLMEngine(config, progress=False)
-    run(create_app(engine, api_key=args.api_key), args.host, args.port, args.log_level, args.api_key)
+    run(create_app(engine, api_key=args.api_key), args.host, args.port, args.log_level, args.api_key, config)
     return 0
 
 

@@ -20,13 +20,15 @@ async def create_completion(body: CompletionRequest, state: ServerState, request
     arrival = arrival_time()
     state.check_model(body.model)
     body.check()
-    tok = state.tokenizer
-    prompts = [tok.encode(p) if isinstance(p, str) else list(p) for p in body.prompts()]
+    params = body.sampling_params(body.max_tokens, body.logprobs)
+    state.check_params(params)
+    texts = body.prompts()
+    state.check_batch(len(texts))  # before any of it is tokenized
+    prompts = [await state.encode(p, "prompt") if isinstance(p, str) else list(p) for p in texts]
     for ids in prompts:
         state.check_prompt(ids, "prompt")
-    params = body.sampling_params(body.max_tokens, body.logprobs)
     await state.compile_grammar(params, body.constraint_param)
-    echoes = [tok.decode(ids, skip_special_tokens=False) for ids in prompts] if body.echo else None
+    echoes = [await state.decode(ids) for ids in prompts] if body.echo else None
     stream = state.submit(prompts, params, arrival, body.priority)
     response_id = new_id("cmpl")
     if body.stream:

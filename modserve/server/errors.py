@@ -14,6 +14,7 @@ class APIError(Exception):
     def __init__(self, status: int, message: str, type: str = "invalid_request_error",
                  param: str | None = None, code: str | None = None,
                  headers: dict[str, str] | None = None) -> None:
+        message, param = _printable(message), _printable(param)
         super().__init__(message)
         self.status = status
         self.message = message
@@ -29,10 +30,22 @@ class APIError(Exception):
         return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
 
 
+def _printable(text: str | None) -> str | None:
+    """``text`` with lone surrogates (from the request that is refused) as \\ud800 escapes:
+    they cannot be written as UTF-8, and the error about them must still go out."""
+    return None if text is None else text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
 def invalid(param: str | None, message: str) -> APIError:
     """400 for a bad field; the message starts with the field's name so it reads on its own."""
     text = f"{param}: {message}" if param and not message.startswith(param + " ") else message
     return APIError(400, text, param=param, code="invalid_value")
+
+
+def _union_tag(part: object) -> bool:
+    """pydantic names the member of a union it tried ('str', 'list[TextPart]',
+    'function-after[...]') in the error's path; a client's field path has no such part."""
+    return isinstance(part, str) and (part in ("str", "int", "float", "bool") or "[" in part)
 
 
 def from_validation_error(exc: RequestValidationError) -> APIError:
@@ -44,7 +57,7 @@ def from_validation_error(exc: RequestValidationError) -> APIError:
     if err["type"] == "json_invalid":
         return APIError(400, f"malformed JSON body: {err.get('ctx', {}).get('error', err['msg'])}",
                         code="invalid_json")
-    loc = [str(p) for p in err["loc"] if p != "body"]
+    loc = [str(p) for p in err["loc"] if p != "body" and not _union_tag(p)]
     if not loc:
         # A missing or non-object body, or a check across fields without a single owner.
         what = "request body must be a JSON object" if err["type"] in ("missing", "model_attributes_type",

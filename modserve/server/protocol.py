@@ -8,19 +8,60 @@ everywhere, because clients send explicit nulls.
 from __future__ import annotations
 
 import time
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from modserve.core.sampling_params import SamplingParams
+from modserve.core.sampling_params import INT64_MAX, INT64_MIN, SamplingParams
 from modserve.server.errors import invalid
 from modserve.server.structured_outputs import ConstraintFields
 
 _omit_none = dict(exclude_if=lambda v: v is None)
+Int64 = Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX)]
+TokenId = Annotated[int, Field(ge=0, le=INT64_MAX)]
 
 
 class Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+
+def lone_surrogate(value: Any, path: str = "") -> tuple[str, int] | None:
+    """(field path, character index) of the first string in ``value`` holding a lone UTF-16
+    surrogate (JSON lets ``"\\ud800"`` through; no tokenizer can encode it), or None."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as e:
+            return path, e.start
+        return None
+    if isinstance(value, dict):
+        items = [(k, v) for k, v in value.items()]
+        for key, item in items:
+            where = f"{path}.{key}" if path else str(key)
+            found = lone_surrogate(key, where) if isinstance(key, str) else None
+            found = found or lone_surrogate(item, where)
+            if found:
+                return found
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            found = lone_surrogate(item, f"{path}.{i}" if path else str(i))
+            if found:
+                return found
+    return None
+
+
+class TextChecked(BaseModel):
+    """A request body whose every string (keys too) must be valid Unicode."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_unicode(cls, data: Any) -> Any:
+        found = lone_surrogate(data)
+        if found:
+            # An APIError passes through pydantic untouched and becomes the 400 itself.
+            raise invalid(found[0] or None, f"holds a lone UTF-16 surrogate at character {found[1]}; "
+                          "text must be valid Unicode")
+        return data
 
 
 class StreamOptions(Strict):
@@ -28,7 +69,7 @@ class StreamOptions(Strict):
     include_obfuscation: bool | None = None  # OpenAI's padding against side channels; nothing to pad here
 
 
-class SamplingRequest(ConstraintFields):
+class SamplingRequest(TextChecked, ConstraintFields):
     """The fields completions and chat share (the output-constraint ones come from ConstraintFields)."""
 
     model: str | None = None  # optional, as in vLLM: there is one served model
@@ -36,7 +77,7 @@ class SamplingRequest(ConstraintFields):
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: Int64 | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
@@ -44,22 +85,15 @@ class SamplingRequest(ConstraintFields):
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
     logit_bias: dict[str, float] | None = None
     # vLLM's extras
-    top_k: int | None = Field(None, ge=-1)
+    top_k: int | None = Field(None, ge=-1, le=INT64_MAX)
     min_p: float | None = Field(None, ge=0, le=1)
     repetition_penalty: float | None = Field(None, gt=0)
-    min_tokens: int = Field(0, ge=0)
+    min_tokens: int = Field(0, ge=0, le=INT64_MAX)
     ignore_eos: bool = False
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[TokenId] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
-    priority: int = 0  # lower runs first under the priority scheduler; others ignore it
-
-    @field_validator("stop_token_ids")
-    @classmethod
-    def _token_ids(cls, value: list[int] | None) -> list[int] | None:
-        if value and min(value) < 0:
-            raise ValueError("token ids must be >= 0")
-        return value
+    priority: Int64 = 0  # lower runs first under the priority scheduler; others ignore it
 
     def check(self) -> None:
         """Checks across fields; each names the field at fault."""
@@ -100,7 +134,7 @@ Prompt = str | list[str] | list[int] | list[list[int]]
 
 class CompletionRequest(SamplingRequest):
     prompt: Any
-    max_tokens: int | None = Field(16, ge=1)
+    max_tokens: int | None = Field(16, ge=1, le=INT64_MAX)
     echo: bool = False
     logprobs: int | None = Field(None, ge=0, le=5)
     suffix: str | None = None
@@ -154,8 +188,8 @@ class ChatMessage(Strict):
 
 class ChatCompletionRequest(SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = Field(None, ge=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_tokens: int | None = Field(None, ge=1, le=INT64_MAX)
+    max_completion_tokens: int | None = Field(None, ge=1, le=INT64_MAX)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
     add_generation_prompt: bool = True
@@ -291,7 +325,7 @@ class ModelList(BaseModel):
     data: list[ModelCard]
 
 
-class TokenizeRequest(Strict):
+class TokenizeRequest(TextChecked, Strict):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
@@ -305,9 +339,9 @@ class TokenizeResponse(BaseModel):
     tokens: list[int]
 
 
-class DetokenizeRequest(Strict):
+class DetokenizeRequest(TextChecked, Strict):
     model: str | None = None
-    tokens: list[int]
+    tokens: list[TokenId]
 
 
 class DetokenizeResponse(BaseModel):

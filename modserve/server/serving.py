@@ -14,8 +14,10 @@ from pydantic import BaseModel
 from modserve.core.outputs import CompletionOutput, RequestOutput
 from modserve.core.sampling_params import SamplingParams
 from modserve.core.tokenizer import Tokenizer
-from modserve.server.async_engine import AsyncEngine, EngineDead, EngineError, RequestStream
+from modserve.core.grammar import timeout_message
+from modserve.server.async_engine import AsyncEngine, EngineDead, EngineError, RequestStream, ShuttingDown
 from modserve.server.errors import APIError, invalid
+from modserve.server.tokenizer_pool import TokenizerPool
 
 SSE_DONE = "data: [DONE]\n\n"
 
@@ -40,19 +42,48 @@ class ServerState:
     """Everything a route needs; one per app, on ``app.state.server``."""
 
     engine: AsyncEngine
-    # NOTE: the server's own tokenizer, used on the event-loop thread only; the engine
-    # thread keeps the engine's, so the two never share a Rust tokenizer across threads.
+    # NOTE: the server's own tokenizer, used on the event-loop thread only and for short
+    # work (one token's text); prompts are tokenized on the pool's threads.
     tokenizer: Tokenizer
+    pool: TokenizerPool
     model_name: str
-    model_path: str
     max_model_len: int
     max_waiting_requests: int
+    grammar_timeout: float
+    allow_special_tokens_in_content: bool = False
+    draining: bool = False  # set on SIGTERM: new requests get 503, those in flight finish
     token_strings: dict[int, str] = field(default_factory=dict)
+    # No token is longer than this many characters: a text over max_model_len times it
+    # cannot fit, and is refused before it is tokenized.
+    max_token_chars: int = 0
+
+    def __post_init__(self) -> None:
+        self.max_token_chars = max(len(t) for t in self.tokenizer.hf.get_vocab())
 
     def check_model(self, name: str | None) -> None:
         if name is not None and name != self.model_name:
             raise APIError(404, f"The model `{name}` does not exist. This server serves `{self.model_name}`.",
                            param="model", code="model_not_found")
+
+    def check_length(self, num_chars: int, param: str) -> None:
+        if num_chars > self.max_model_len * self.max_token_chars:
+            raise invalid(param, f"is {num_chars} characters, more than max_model_len={self.max_model_len} "
+                          "tokens can hold")
+
+    async def encode(self, text: str, param: str, add_special_tokens: bool = True) -> list[int]:
+        self.check_length(len(text), param)
+        return await self.pool.run(lambda tok: tok.encode(text, add_special_tokens=add_special_tokens))
+
+    async def encode_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool) -> list[int]:
+        self.check_length(sum(len(m["content"]) for m in messages), "messages")
+        allow = self.allow_special_tokens_in_content
+        try:
+            return await self.pool.run(lambda tok: tok.encode_chat(messages, add_generation_prompt, allow))
+        except ValueError as e:  # no template
+            raise invalid("messages", str(e)) from None
+
+    async def decode(self, token_ids: list[int]) -> str:
+        return await self.pool.run(lambda tok: tok.decode(token_ids, skip_special_tokens=False))
 
     def check_prompt(self, token_ids: list[int], param: str) -> None:
         try:
@@ -60,9 +91,27 @@ class ServerState:
         except ValueError as e:
             raise invalid(param, str(e)) from None
 
+    def check_params(self, params: SamplingParams) -> None:
+        """The settings against this engine's vocabulary and limits (n, stop_token_ids)."""
+        try:
+            self.engine.engine.validate_params(params)  # reads only immutable engine settings
+        except ValueError as e:  # the messages start with the field's name
+            field_name, _, why = str(e).partition(" ")
+            raise invalid(field_name, why) from None
+
+    def check_batch(self, num_prompts: int) -> None:
+        """A 400 for more prompts than the queue could ever hold: retrying cannot help."""
+        if num_prompts > self.max_waiting_requests:
+            raise invalid("prompt", f"holds {num_prompts} prompts, more than max_waiting_requests="
+                          f"{self.max_waiting_requests} can ever queue; send them in smaller batches")
+
     def submit(self, prompts: list[list[int]], params: SamplingParams, arrival: float,
                priority: int = 0) -> RequestStream:
         """Hand the prompts to the engine, or 503 when too many are already waiting."""
+        self.check_batch(len(prompts))
+        if self.draining:
+            raise APIError(503, "The server is shutting down. Retry on another replica.", type="server_error",
+                           code="server_shutting_down")
         if self.engine.num_waiting + len(prompts) > self.max_waiting_requests:
             raise APIError(503, f"The server is overloaded: {self.engine.num_waiting} requests are waiting "
                            f"(max_waiting_requests={self.max_waiting_requests}). Retry shortly.",
@@ -74,12 +123,17 @@ class ServerState:
 
     async def compile_grammar(self, params: SamplingParams, param: str | None) -> None:
         """Compile the request's constraint before it is queued (off the event loop, on the
-        engine's grammar workers): a refused spec is a 400 with the backend's reason."""
+        engine's grammar workers): a refused spec, or one slower than the compile timeout,
+        is a 400 with the reason; the other requests never wait for it."""
         if params.structured_outputs is None:
             return
-        grammar = self.engine.engine.grammar.submit(params.structured_outputs.spec())  # thread-safe
+        spec = params.structured_outputs.spec()
+        grammar = self.engine.engine.grammar.submit(spec)  # thread-safe
         try:
-            await asyncio.wrap_future(grammar)
+            # shield: a timed-out wait must not cancel the shared (cached) compile
+            await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(grammar)), self.grammar_timeout)
+        except TimeoutError:
+            raise invalid(param, timeout_message(spec, self.grammar_timeout)) from None
         except ValueError as e:
             raise invalid(param, str(e)) from None
 
@@ -99,14 +153,24 @@ async def final_outputs(stream: RequestStream, request: Request) -> list[Request
             if await request.is_disconnected():
                 break
     except EngineError as e:
-        raise APIError(500, str(e), type="server_error", code="engine_error") from None
+        raise engine_api_error(e) from None
     finally:
         stream.close()
     return [latest[rid] for rid in stream.request_ids if rid in latest]
 
 
+def engine_api_error(e: EngineError) -> APIError:
+    """What a client sees of a request the engine ended: no exception text (it is logged)."""
+    if isinstance(e, ShuttingDown):
+        return APIError(503, "The server is shutting down and this request did not finish within "
+                        "shutdown_timeout. Retry it on another replica.", type="server_error",
+                        code="server_shutting_down")
+    return APIError(500, "The engine failed while running this request; the server logged why. The other "
+                    "requests were not affected.", type="server_error", code="engine_error")
+
+
 def engine_error_event(e: EngineError) -> str:
-    return sse(APIError(500, str(e), type="server_error", code="engine_error").body())
+    return sse(engine_api_error(e).body())
 
 
 @dataclass(slots=True)

@@ -17,7 +17,7 @@ from modserve.server.errors import invalid
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    model_config = ConfigDict(extra="forbid", populate_by_name=True, allow_inf_nan=False)
 
 
 class StructuredOutputsParams(_Strict):

@@ -1,0 +1,83 @@
+"""Real `modserve serve` processes on 127.0.0.1 for end-to-end tests: launch, wait, read, stop."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import httpx
+import openai
+from prometheus_client.parser import text_string_to_metric_families
+
+
+@dataclass
+class Server:
+    proc: subprocess.Popen
+    url: str
+    log: Path
+
+    def client(self, api_key: str = "none") -> openai.OpenAI:
+        return openai.OpenAI(base_url=f"{self.url}/v1", api_key=api_key, max_retries=0, timeout=60)
+
+    def metrics(self) -> dict[str, float]:
+        """Every sample in /metrics by name (labels folded into the name)."""
+        text = httpx.get(f"{self.url}/metrics").text
+        out = {}
+        for family in text_string_to_metric_families(text):
+            for s in family.samples:
+                labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()))
+                out[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
+        return out
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(tmp: Path, name: str, *flags: str, env: dict[str, str] | None = None) -> Server:
+    port = free_port()
+    log = tmp / f"{name}.log"
+    cmd = [sys.executable, "-m", "modserve", "--log-level", "info", "serve", "--port", str(port), *flags]
+    with open(log, "w") as f:  # a file, not a pipe: a full pipe would stall the server
+        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
+    return Server(proc, f"http://127.0.0.1:{port}", log)
+
+
+def wait_healthy(server: Server, timeout: float = 90) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if server.proc.poll() is not None:
+            raise RuntimeError(f"server exited ({server.proc.returncode}):\n{server.log.read_text()}")
+        try:
+            if httpx.get(f"{server.url}/health", timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    raise TimeoutError(f"server not healthy after {timeout} s:\n{server.log.read_text()}")
+
+
+def stop(server: Server) -> int:
+    if server.proc.poll() is None:
+        server.proc.send_signal(signal.SIGTERM)
+    try:
+        return server.proc.wait(timeout=20)
+    except subprocess.TimeoutExpired:
+        server.proc.kill()
+        return server.proc.wait()
+
+
+def wait_for(predicate: Callable[[], bool], timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.05)
