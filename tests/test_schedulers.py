@@ -175,3 +175,26 @@ def test_long_prefill_threshold_needs_chunked_prefill(llama_dir):
         make_llm(llama_dir, scheduler={"name": "fcfs", "options": {"chunked_prefill": False,
                                                                    "long_prefill_token_threshold": 8}},
                  max_num_batched_tokens=256)
+
+
+@pytest.mark.parametrize("fair", [True, False])
+def test_fair_share_keeps_one_large_n_from_starving_a_later_request(llama_dir, fair):
+    llm = make_llm(llama_dir, max_num_seqs=8, scheduler={"name": "fcfs", "options": {"fair_share": fair}})
+    eng = llm.engine
+    eng.add_request("hog", [5, 6, 7], SamplingParams(n=8, temperature=1.0, seed=1, max_tokens=60, ignore_eos=True))
+    for _ in range(3):  # the hog's prefill, its 8 samples forked into every slot
+        eng.step()
+    assert len(eng.scheduler.running) == 8
+    eng.add_request("late", [9, 10], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
+    steps_to_first_token = None
+    for step in range(1, 100):
+        outs = {o.request_id: o for o in eng.step()}
+        if "late" in outs and outs["late"].outputs[0].token_ids:
+            steps_to_first_token = step
+            break
+    while eng.has_unfinished_requests():
+        eng.step()
+    if fair:  # half the slots go back at once: the late request starts in the next step
+        assert steps_to_first_token is not None and steps_to_first_token <= 2
+    else:  # plain fcfs: it waits until the hog's samples finish
+        assert steps_to_first_token is None or steps_to_first_token > 50

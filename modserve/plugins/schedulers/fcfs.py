@@ -63,8 +63,9 @@ class FCFSScheduler(Scheduler):
         budget = start_budget(view)
         order = list(view.running)
         candidates: Iterator[Sequence] | list[Sequence] = [*view.swapped, *view.waiting]
-        if self.fair:
+        if self.fair and len(order) > self.share:  # else no request can be over its share yet
             order = self._give_back_over_share(view, order, out, budget)
+        if self.fair and candidates:
             candidates = self._within_share(candidates, order, out)
         fairness_preemptions = len(out.preempt)
         advance_running(view, order, out, budget, self.chunk, self.long_prefill)
