@@ -31,7 +31,7 @@ def parts_of_a_step(llm) -> dict[str, list]:
     return {
         "step": [engine.LLMEngine.step],
         "scheduling": [scheduler.SchedulerCore.step],
-        "batch preparation": [model_runner.ModelRunner._prepare, model_runner.ModelRunner._sampling_batch,
+        "batch preparation": [model_runner.ModelRunner._prepare, model_runner.ModelRunner.sampling_batch,
                               attn.prepare],
         "model": [model.forward],
         "attention": [attn.forward],

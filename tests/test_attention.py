@@ -341,7 +341,7 @@ def test_paged_cpu_kernel_shapes(heads, head_dim: int, block_size: int, q_scale:
 def test_kernel_build_failure_falls_back_and_says_why(monkeypatch, caplog) -> None:
     from torch.utils import cpp_extension
 
-    from modserve.core import cpu_kernels
+    from modserve.plugins.platforms.cpu import kernels as cpu_kernels
 
     def no_compiler(*args, **kwargs):
         raise RuntimeError("Error building extension 'modserve_paged_decode'\nc++: not found")

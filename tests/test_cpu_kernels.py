@@ -1,4 +1,4 @@
-"""The core's C++ CPU kernel: float32 rows against bfloat16 weights (few-row steps)."""
+"""The CPU platform's C++ kernel: float32 rows against bfloat16 weights (few-row steps)."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from modserve.core.compile import FEW_ROWS, load_few_rows_kernel
-from modserve.core.prepack import packed_linear, to_panels
+from modserve.plugins.platforms.cpu.linear import FEW_ROWS, load_few_rows_kernel
+from modserve.plugins.platforms.cpu.prepack import packed_linear, to_panels
 
 
 @pytest.fixture(scope="module", autouse=True)

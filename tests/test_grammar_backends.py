@@ -213,6 +213,24 @@ def test_auto_falls_through_and_says_why_each_backend_refused(llama_dir):
         GrammarCompiler(Registry(), PluginChoice(name="auto", options={"x": 1}), llama_dir, 10, [EOS])
 
 
+def test_auto_order_follows_the_priorities_backends_declare(llama_dir):
+    import types
+
+    registry = Registry()
+    registry.load_entrypoints({"modserve"})
+    target = "modserve.plugins.grammars.outlines_backend:OutlinesBackend"
+
+    def register_grammar_backends(register):
+        register("eager-json", target, priority={"json": 30})  # before the built-ins for JSON only
+        register("quiet", target)  # declares nothing: after every built-in, for every kind
+
+    plugin = types.SimpleNamespace(register_grammar_backends=hookimpl(register_grammar_backends))
+    registry.add_plugin(plugin, "third-party-grammars")
+    gc = compiler(llama_dir, "auto", registry)
+    assert gc.order("json") == ["eager-json", "xgrammar", "outlines", "quiet"]
+    assert gc.order("regex") == ["outlines", "xgrammar", "eager-json", "quiet"]
+
+
 def test_compiles_run_off_the_calling_thread(llama_dir):
     reg = Registry()
     with reg.plugin(_SlowPlugin(), "slow"):

@@ -69,7 +69,8 @@ def test_prefill_logits_match_transformers(hf_reference, arch, backend):
         assert eng.allocator.allocate(s, s.num_tokens)
     try:
         runner = eng.runner
-        input_ids, meta, *_ = runner._prepare(seqs, [s.num_tokens for s in seqs])
+        batch = runner._prepare(seqs, [s.num_tokens for s in seqs])
+        input_ids, meta = batch.input_ids, batch.meta
         with torch.inference_mode():
             hidden = runner.model(input_ids, meta.positions, runner.kv_caches, meta, runner.attn.prepare(meta))
             logits = runner.model.compute_logits(hidden)

@@ -139,12 +139,13 @@ def test_misspelled_hook_is_refused():
         reg.add_plugin(fake_plugin(register_atention_backends=lambda register: None), "typo")
 
 
-def test_load_plugins_env_allowlist(monkeypatch):
-    monkeypatch.setenv("MODSERVE_LOAD_PLUGINS", "")
+def test_load_plugins_env_allowlist_filters_third_parties_only(monkeypatch):
     from modserve.core.registry import reset_registry
 
+    monkeypatch.setenv("MODSERVE_LOAD_PLUGINS", "")  # built-ins only, never nothing at all
     reset_registry()
-    assert get_registry().names("attention_backend") == []
+    assert get_registry().names("attention_backend") == ["paged", "reference"]
+    assert {d["distribution"] for d in get_registry().describe()} == {"modserve"}
 
 
 def test_config_errors_name_the_key(llama_dir, tmp_path):

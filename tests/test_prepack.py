@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from modserve import LLM, SamplingParams
-from modserve.core.prepack import packed_linear, to_panels
+from modserve.plugins.platforms.cpu.prepack import packed_linear, to_panels
 from modserve.testing import cached_checkpoint
 
 from test_compile import MAX_NEW, bf16_reference  # noqa: F401  (a fixture)

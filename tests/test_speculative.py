@@ -79,6 +79,22 @@ def test_stop_strings_max_tokens_and_logprobs_with_speculation(llama_dir, plain)
     assert tok.decode(full.token_ids)
 
 
+def test_logprobs_of_a_step_with_sampled_and_speculating_sequences(llama_dir, plain):
+    """One step's output rows hold a sampled sequence's token and a speculating one's
+    accepted drafts side by side; each request gets its own logprobs (or none), as without."""
+    params = [SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=k) for k in (3, None, 0, 1)]
+    got = make_llm(llama_dir, NGRAM).generate(PROMPTS, params, use_tqdm=False)
+    ref = plain.generate(PROMPTS, params, use_tqdm=False)
+    for g, r in zip(got, ref):
+        g, r = g.outputs[0], r.outputs[0]
+        assert g.token_ids == r.token_ids
+        assert (g.logprobs is None) == (r.logprobs is None)
+        for a, b in zip(g.logprobs or [], r.logprobs or []):
+            assert (a["token_id"], a["rank"], a["top"].keys()) == (b["token_id"], b["rank"], b["top"].keys())
+            assert abs(a["logprob"] - b["logprob"]) < 1e-4
+            assert all(abs(a["top"][t] - b["top"][t]) < 1e-4 for t in a["top"])
+
+
 def test_no_blocks_leak_under_rejections_preemption_and_aborts(llama_dir):
     # a tight pool forces preemption mid-speculation; the leak guard checks after the test
     llm = make_llm(llama_dir, {"proposer": {"name": "draft_model",

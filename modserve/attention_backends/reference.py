@@ -13,7 +13,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from modserve.core.fp8 import FP8, to_fp8
+from modserve.quantizers.e4m3 import FP8, to_fp8
 from modserve.core.interfaces import AttentionBackend, AttentionMetadata
 
 

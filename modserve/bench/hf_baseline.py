@@ -9,7 +9,7 @@ so the rows that wait for the batch's longest request are the baseline's cost.
 :class:`HFRunner` runs it in a worker process of its own (:mod:`.hf_worker`, with as
 many torch threads as modserve's), as the ``vllm`` baseline runs: in modserve's process
 it would share what the engine sets process-wide, such as glibc's malloc thresholds
-(:mod:`modserve.core.host_memory`), which made it 1-10% faster than a plain
+(:mod:`modserve.plugins.platforms.cpu.host_memory`), which made it 1-10% faster than a plain
 transformers process is.
 """
 

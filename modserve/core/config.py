@@ -81,6 +81,9 @@ class EngineConfig(BaseModel):
         "control tokens; off, it is encoded as plain text so a user cannot forge a turn")
     seed: int = Field(0, description="Seed of the global sampling RNG (per-request seeds are separate)")
     device: str = Field("cpu", description="torch device: cpu, cuda, cuda:1")
+    platform: PluginChoice | None = Field(
+        None, description="Platform plugin: what is device-specific (dtype auto, memory, compile policy, "
+        "linear kernels); default: the device's type (cpu, cuda)")
     num_threads: int | None = Field(None, gt=0, description="torch intra-op threads (default: torch's)")
     compile: Literal["auto", "on", "off"] = Field(
         "auto", description="torch.compile each layer's ops around attention (and, on CPU with a 16-bit "
@@ -110,6 +113,10 @@ class EngineConfig(BaseModel):
         if not path.is_dir():
             raise ValueError(f"model directory does not exist: {value}")
         return str(path)
+
+    def platform_choice(self) -> PluginChoice:
+        """``platform``, else the built-in named after the device's type (``cuda:1`` -> cuda)."""
+        return self.platform or PluginChoice(name=self.device.partition(":")[0])
 
     @classmethod
     def from_file(cls, path: str | os.PathLike[str], **overrides: Any) -> "EngineConfig":

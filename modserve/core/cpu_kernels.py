@@ -1,54 +1,8 @@
-"""The C++ CPU kernels in ``csrc/`` folders, built on first use.
+"""Deprecated: moved to :mod:`modserve.plugins.platforms.cpu.kernels`; importable here for one minor version."""
 
-torch's ``cpp_extension`` compiles a kernel's source with the machine's C++ compiler (the
-one inductor uses) into its per-user cache, once per source version (~15 s on two
-cores); later processes load the cached library in a fraction of a second. A kernel
-registers its ops with ``TORCH_LIBRARY``. Where one cannot be built (no compiler, no
-ninja), :func:`load_kernel` says why once and the caller keeps its torch-ops path.
+import warnings
 
-``-march=native``: a kernel is built for the machine that runs it (AVX2/FMA where there
-are); ``-fopenmp``: ``at::parallel_for`` is inline OpenMP, so without it a kernel runs
-on one thread.
-"""
+from modserve.plugins.platforms.cpu.kernels import bf16_linear_ready, load_kernel  # noqa: F401
 
-from __future__ import annotations
-
-import functools
-import logging
-import os
-import shutil
-import time
-from pathlib import Path
-
-logger = logging.getLogger("modserve")
-
-CORE_KERNELS = Path(__file__).parent / "csrc" / "bf16_linear.cpp"
-
-
-@functools.cache
-def load_kernel(name: str, source: str) -> str | None:
-    """Build (or load from the cache) library ``name`` from ``source``; None once its ops
-    are registered, else why not (logged as a warning)."""
-    start = time.perf_counter()
-    try:
-        from torch.utils import cpp_extension
-
-        if shutil.which("ninja") is None:  # the PyPI wheel's binary, when the venv is not on PATH
-            import ninja
-
-            os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
-        cpp_extension.load(name=name, sources=[source], is_python_module=False,
-                           extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"])
-    except Exception as e:  # a missing compiler, ninja or headers: all mean the torch-ops path
-        text = str(e).strip()
-        last_line = text.splitlines()[-1] if text else repr(e)
-        problem = f"{type(e).__name__}: {last_line}"
-        logger.warning("C++ kernel %s could not be built (%s); using torch ops instead", name, problem)
-        return problem
-    logger.info("C++ kernel %s loaded in %.1f s (a first build takes longer)", name, time.perf_counter() - start)
-    return None
-
-
-def bf16_linear_ready() -> bool:
-    """Whether ``torch.ops.modserve_cpu.bf16_linear`` (few rows x bf16 weights) is loaded."""
-    return load_kernel("modserve_cpu_kernels", str(CORE_KERNELS)) is None
+warnings.warn("modserve.core.cpu_kernels moved to modserve.plugins.platforms.cpu.kernels", DeprecationWarning,
+              stacklevel=2)

@@ -12,18 +12,17 @@ from typing import Any
 
 import torch
 
-from modserve.core.compile import checkpoint_dtype
 from modserve.core.config import EngineConfig
 from modserve.core.grammar import CompiledGrammar, GrammarCompiler, wait_any
-from modserve.core.host_memory import keep_freed_memory
-from modserve.core.interfaces import ProposerContext, SamplerOutput, SchedulerLimits
-from modserve.core.loader import load_hf_config
-from modserve.core.model_runner import ModelRunner
+from modserve.core.interfaces import Platform, SamplerOutput, SchedulerLimits
+from modserve.core.loader import checkpoint_dtype, load_hf_config
+from modserve.core.model_runner import ModelOutput, ModelRunner
 from modserve.core.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from modserve.core.registry import PluginError, Registry, get_registry
 from modserve.core.sampling_params import SamplingParams
-from modserve.core.scheduler import ScheduledStep, SchedulerCore, SwapSpace
+from modserve.core.scheduler import SchedulerCore, SwapSpace
 from modserve.core.sequence import Sequence, SequenceStatus
+from modserve.core.spec_decode import SpecDecode
 from modserve.core.tokenizer import Tokenizer
 
 logger = logging.getLogger("modserve")
@@ -50,16 +49,16 @@ class LLMEngine:
         registry = registry or get_registry()
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
-        if torch.device(config.device).type == "cpu":
-            keep_freed_memory()  # a step's activations reuse the last step's pages
+        self.platform: Platform = registry.create("platform", config.platform_choice(), torch.device(config.device))
+        self.platform.prepare_process()
         torch.manual_seed(config.seed)  # unseeded requests draw from the global generator
         hf_config = load_hf_config(config.model)
         self.max_model_len = resolve_max_model_len(config, hf_config)
-        self.dtype = resolve_dtype(config.dtype, hf_config, torch.device(config.device))
+        self.dtype = self.platform.resolve_dtype(config.dtype, checkpoint_dtype(hf_config))
         self.tokenizer = Tokenizer(config.tokenizer or config.model, config.model)
         self.eos_token_ids = self.tokenizer.eos_token_ids
         self.runner = ModelRunner(config, hf_config, registry, self.dtype, self.max_model_len,
-                                  self.eos_token_ids, progress=progress)
+                                  self.eos_token_ids, progress=progress, platform=self.platform)
         self.num_blocks = self._num_kv_blocks()
         num_host_blocks = self._num_swap_blocks()
         self.runner.allocate_kv_cache(self.num_blocks, num_host_blocks)
@@ -78,13 +77,7 @@ class LLMEngine:
                                        config.grammar_compile_workers, config.grammar_compile_timeout)
         self.compiling: dict[str, Future] = {}  # request id -> its grammar, still compiling
         self.isolation = StepIsolation()
-        self.proposer = None
-        if config.speculative is not None:
-            context = ProposerContext(config, registry, self.runner.device, self.dtype, self.num_blocks,
-                                      config.block_size, self.max_model_len, self.runner.vocab_size,
-                                      self.runner.sampler)
-            self.proposer = registry.create("proposer", config.speculative.proposer, context)
-        self.spec_counters = {"spec_proposed_tokens": 0, "spec_accepted_tokens": 0, "spec_verifications": 0}
+        self.spec = SpecDecode.create(config, registry, self.runner, self.num_blocks, self.max_model_len)
         if self.runner.compiled:
             self._warm_up()
 
@@ -111,7 +104,7 @@ class LLMEngine:
         elif cfg.kv_cache_memory_gb:
             blocks, field = int(cfg.kv_cache_memory_gb * 2**30 // per_block), "kv_cache_memory_gb"
         else:
-            budget = cfg.kv_cache_memory_fraction * available_memory(torch.device(cfg.device))
+            budget = cfg.kv_cache_memory_fraction * self.platform.available_memory()
             blocks, field = int(budget // per_block), "kv_cache_memory_fraction"
         if blocks * cfg.block_size < self.max_model_len:
             raise ValueError(
@@ -303,9 +296,7 @@ class LLMEngine:
     def _evict_all(self) -> list[Sequence]:
         seqs = self.scheduler.evict_all()
         for seq in seqs:
-            seq.spec_tokens, seq.spec_probs, seq.num_lookahead = [], None, 0
-            if self.proposer is not None:
-                self.proposer.forget(seq)
+            self.spec.forget(seq)
         return seqs
 
     def _next_probe(self) -> None:
@@ -354,68 +345,39 @@ class LLMEngine:
         return [out]
 
     def _step(self) -> list[RequestOutput]:
+        """Schedule (running decodes with draft slots), propose drafts, run the model, let
+        the scheduler apply the result, emit the new tokens."""
         if not self.scheduler.has_work():
             return []
-        if self.proposer is not None:
-            for seq in self.scheduler.running:
-                seq.num_lookahead = self._lookahead(seq)
+        self.spec.reserve(self.scheduler.running, self._max_tokens)
         scheduled = self.scheduler.step()
-        if self.proposer is not None:
-            for seq in scheduled.preempted:
-                seq.num_lookahead = 0
-                self.proposer.forget(seq)
-            self._propose(scheduled)
+        self.spec.propose(scheduled)
         if not scheduled.seqs:
             return []
-        self.runner.move_blocks(scheduled.copies, scheduled.swap_out, scheduled.swap_in)
-        if scheduled.host_blocks_done:
-            self.scheduler.swap_space.give_back(scheduled.host_blocks_done)
-        step = self.runner.execute(scheduled.seqs, scheduled.num_new_tokens)
-        # KV stays valid for a speculating sequence's real token and its accepted drafts only.
-        rejected = {id(s): len(s.spec_tokens) + 1 - len(t) for s, t in zip(step.spec_seqs, step.spec_tokens)}
-        for seq, n in zip(scheduled.seqs, scheduled.num_new_tokens):
-            seq.num_computed_tokens += n - rejected.get(id(seq), 0)
-            if seq.spec_tokens:
-                self.allocator.trim(seq, seq.num_computed_tokens)  # the rejected slots go back at once
-                seq.spec_tokens, seq.spec_probs = [], None
-            seq.num_lookahead = 0
-            self.allocator.mark_computed(seq)
-            if seq.pending_forks and seq.num_computed_tokens == seq.num_tokens:
-                free_slots = self.config.max_num_seqs - len(self.scheduler.running)
-                for child in seq.pending_forks:
-                    if free_slots > 0:
-                        child.num_computed_tokens = seq.num_computed_tokens
-                        self.allocator.fork(seq, child)
-                        self.scheduler.add_running(child)
-                        free_slots -= 1
-                    else:
-                        # No sequence slot left: it waits like a preempted sequence, behind the
-                        # requests already waiting (its prompt's full blocks are likely cached).
-                        self.scheduler.add(child)
-                seq.pending_forks = []
+        output = self.runner.execute(scheduled)
+        self.scheduler.update(scheduled, output)
+        self.spec.count(scheduled, output)
         self.counters["computed_tokens"] += scheduled.num_tokens
         self.counters["steps"] += 1
+        return self._emit(output)
+
+    def _max_tokens(self, seq: Sequence) -> int:
+        return self.requests[seq.request_id].max_tokens
+
+    def _emit(self, output: ModelOutput) -> list[RequestOutput]:
+        """Append each sequence's new tokens in order, checking every one for a stop (the
+        tokens after it are dropped); free what finished; an output per request touched."""
         now = time.perf_counter()
-        # (sequence, its new tokens, the sampler output holding their logprobs, first row there)
-        emitted = []
-        if step.samples is not None:
-            emitted = [(s, [t], step.samples, row)
-                       for row, (s, t) in enumerate(zip(step.sampled, step.samples.token_ids.tolist()))]
-        row = 0
-        for seq, tokens in zip(step.spec_seqs, step.spec_tokens):
-            emitted.append((seq, tokens, step.spec_samples, row))
-            row += len(tokens)
-            self.spec_counters["spec_verifications"] += 1
-            self.spec_counters["spec_accepted_tokens"] += len(tokens) - 1
         touched: dict[str, Request] = {}
-        for seq, tokens, out, first_row in emitted:
-            req = self.requests[seq.request_id]
-            touched[req.request_id] = req
+        row = 0  # this sequence's first row in output.samples
+        for seq, tokens in output.token_ids.items():
+            req = touched[seq.request_id] = self.requests[seq.request_id]
             for i, token in enumerate(tokens):
                 if seq.finish_reason is not None:
                     break  # a stop string, EOS or max_tokens drops the tokens after it
-                self._append_token(req, seq, token, now, out, first_row + i)
+                self._append_token(req, seq, token, now, output.samples, row + i)
                 self.counters["generation_tokens"] += 1
+            row += len(tokens)
             if seq.finish_reason is not None:
                 self._remove(seq)
         outputs = []
@@ -428,40 +390,10 @@ class LLMEngine:
 
     def _remove(self, seq: Sequence) -> None:
         self.scheduler.remove(seq)
-        if self.proposer is not None:
-            self.proposer.forget(seq)
-
-    def _lookahead(self, seq: Sequence) -> int:
-        """Draft slots a running sequence may speculate into this step (0: it won't)."""
-        p = seq.params
-        if (seq.num_computed_tokens != seq.num_tokens - 1 or seq.pending_forks
-                or p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty
-                or seq.num_output_tokens < p.min_tokens):
-            # NOTE: penalties and min_tokens depend on the tokens before each draft
-            # position; such requests decode one token at a time rather than approximately.
-            return 0
-        room = min(self.requests[seq.request_id].max_tokens - seq.num_output_tokens,
-                   self.max_model_len - seq.num_tokens) - 1
-        return max(0, min(self.config.speculative.num_speculative_tokens, room))
-
-    def _propose(self, scheduled: ScheduledStep) -> None:
-        """Fill the draft slots the schedule granted; shrink them to what was proposed."""
-        granted = [(i, s, n - 1) for i, (s, n) in enumerate(zip(scheduled.seqs, scheduled.num_new_tokens))
-                   if n > s.num_tokens - s.num_computed_tokens]
-        if not granted:
-            return
-        proposal = self.proposer.propose([s for _, s, _ in granted], [k for _, _, k in granted])
-        for j, (i, seq, k) in enumerate(granted):
-            seq.spec_tokens = list(proposal.token_ids[j][:k])
-            if seq.grammar is not None:
-                seq.spec_tokens = _grammar_prefix(seq.grammar, seq.spec_tokens)
-            if proposal.probs is not None and seq.spec_tokens:
-                seq.spec_probs = proposal.probs[j, : len(seq.spec_tokens)]
-            scheduled.num_new_tokens[i] = 1 + len(seq.spec_tokens)
-            self.spec_counters["spec_proposed_tokens"] += len(seq.spec_tokens)
+        self.spec.forget(seq)
 
     def _append_token(self, req: Request, seq: Sequence, token: int, now: float,
-                      out: SamplerOutput, row: int) -> None:
+                      out: SamplerOutput | None, row: int) -> None:
         params = seq.params
         seq.token_ids.append(token)
         if seq.index == 0:
@@ -525,7 +457,7 @@ class LLMEngine:
             "blocks_swapped_out": self.scheduler.blocks_swapped["out"],
             "blocks_swapped_in": self.scheduler.blocks_swapped["in"],
             **self.counters,
-            **self.spec_counters,
+            **self.spec.counters,
             **{f"allocator_{k}": v for k, v in self.allocator.stats().items()},
             "weight_bytes": self.runner.weight_bytes,  # as allocated, quantized or not
             "kv_cache_bytes": sum(c.numel() * c.element_size() for c in self.runner.kv_caches),
@@ -552,17 +484,6 @@ class StepIsolation:
     def finish(self) -> None:
         self.cleared_all = not self.found_culprit
         self.held, self.probe, self.active = [], None, False
-
-
-def _grammar_prefix(matcher: Any, drafts: list[int]) -> list[int]:
-    """The longest prefix of ``drafts`` the grammar accepts; the matcher ends as it began."""
-    accepted = 0
-    for token in drafts:
-        if matcher.is_terminated() or not matcher.accept_token(token):
-            break
-        accepted += 1
-    matcher.rollback(accepted)
-    return drafts[:accepted]
 
 
 def _check_stop_strings(seq: Sequence, delta_len: int) -> None:
@@ -605,25 +526,3 @@ def resolve_max_model_len(config: EngineConfig, hf_config: Any) -> int:
     if config.max_model_len > limit:
         raise ValueError(f"max_model_len={config.max_model_len} exceeds the model's limit of {limit} tokens")
     return config.max_model_len
-
-
-def resolve_dtype(name: str, hf_config: Any, device: torch.device) -> torch.dtype:
-    if name != "auto":
-        return getattr(torch, name)
-    ckpt = checkpoint_dtype(hf_config)
-    if device.type == "cpu" and ckpt != torch.float32:
-        logger.info("dtype auto: float32 (checkpoint is %s; CPUs without native bf16/fp16 GEMMs run "
-                    "them many times slower than float32)", ckpt)
-        return torch.float32
-    logger.info("dtype auto: %s (the checkpoint's)", ckpt)
-    return ckpt
-
-
-def available_memory(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[0]
-    with open("/proc/meminfo") as f:
-        for line in f:
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError("cannot read available memory from /proc/meminfo; set kv_cache_memory_gb")

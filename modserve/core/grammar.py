@@ -6,7 +6,7 @@ from an LRU cache. The engine keeps a request out of the scheduler until its
 Future is done, so other requests keep decoding meanwhile.
 
 ``auto`` is core behaviour, not a plugin: it tries the registered backends in
-an order per kind (``AUTO_ORDER``, then the rest by name) and takes the first that
+an order per kind (the priorities the backends declared when they registered) and takes the first that
 compiles the spec; when none does, the error gives each backend's reason.
 """
 
@@ -31,12 +31,6 @@ from modserve.core.structured_outputs import GrammarSpec
 logger = logging.getLogger("modserve")
 
 AUTO = "auto"
-# NOTE: regular languages go to outlines-core first: its DFA does the same small work per
-# token whatever the regex, while xgrammar's Earley matcher can slow down with every token
-# on an ambiguous one ((?:[A-Za-z0-9]+[-]?)+...: 0.5 ms per mask at token 1, 414 ms at 199),
-# stalling every step of the engine. Everything else: xgrammar, which covers more of it.
-AUTO_ORDER = {"regex": ("outlines", "xgrammar"), "choice": ("outlines", "xgrammar")}
-AUTO_DEFAULT = ("xgrammar", "outlines")
 # Rollback depth every matcher supports: enough for speculative decoding's drafts.
 MAX_ROLLBACK = 32
 
@@ -157,11 +151,12 @@ class GrammarCompiler:
         raise ValueError(f"no grammar backend accepted this {spec.kind} constraint: " + "; ".join(reasons))
 
     def order(self, kind: str) -> list[str]:
-        """The backends to try for a spec of ``kind``, in order."""
+        """The backends to try for a spec of ``kind``: by the priority each declared for
+        that kind when it registered (higher first, 0 if none), ties by name."""
         if not self.auto:
             return self.names
-        preferred = [n for n in AUTO_ORDER.get(kind, AUTO_DEFAULT) if n in self.names]
-        return preferred + [n for n in self.names if n not in preferred]
+        priority = {n: self.registry.get("grammar_backend", n).priority.get(kind, 0) for n in self.names}
+        return sorted(self.names, key=lambda n: (-priority[n], n))
 
     def _backend(self, name: str) -> GrammarBackend | Exception:
         with self._backend_lock:

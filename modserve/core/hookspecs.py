@@ -2,13 +2,17 @@
 
 Every hook receives ``register``, a callback owned by the host:
 
-    register(name, target, *, options=None, description="")
+    register(name, target, *, options=None, description="", priority=None)
 
 - ``name``: the name users write in config (``attention_backend: paged``).
 - ``target``: a ``"module:attribute"`` string (imported only when selected) or a
   zero-argument factory returning the class. Registration must import nothing heavy.
 - ``options``: an optional pydantic model class, or ``"module:Class"`` string, that
   validates the implementation's options block from the config file.
+- ``priority``: an optional ``{key: int}``, higher first, for kinds where the core
+  chooses among implementations itself: grammar backends give one per constraint kind
+  (``{"json": 20, "regex": 10}``), and ``grammar_backend: auto`` tries them in that
+  order (unlisted kinds count 0; ties by name).
 
 One plugin may call ``register`` any number of times. Built-in implementations use
 these very hooks, declared as entry points of the ``modserve`` group in pyproject.toml.
@@ -16,14 +20,20 @@ these very hooks, declared as entry points of the ``modserve`` group in pyprojec
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Any, Callable, Protocol
 
 import pluggy
+from pydantic import BaseModel
 
 hookspec = pluggy.HookspecMarker("modserve")
 hookimpl = pluggy.HookimplMarker("modserve")
 
-Register = Callable[..., None]
+class Register(Protocol):
+    """The ``register`` callback every hook receives (see the module docstring)."""
+
+    def __call__(self, name: str, target: str | Callable[[], Any], *,
+                 options: type[BaseModel] | str | None = None, description: str = "",
+                 priority: dict[str, int] | None = None) -> None: ...
 
 
 @hookspec
@@ -67,6 +77,12 @@ def register_model_architectures(register: Register) -> None:
     (``"LlamaForCausalLM"``); the class follows :class:`modserve.core.interfaces.CausalLM`."""
 
 
+@hookspec
+def register_platforms(register: Register) -> None:
+    """Register :class:`modserve.core.interfaces.Platform` subclasses: a device type's dtype,
+    memory, compile and linear-weight rules (``platform:``, default the ``device``'s type)."""
+
+
 # kind -> hook name; the registry's single source of the kinds.
 KIND_HOOKS: dict[str, str] = {
     "attention_backend": "register_attention_backends",
@@ -77,4 +93,5 @@ KIND_HOOKS: dict[str, str] = {
     "sampler": "register_samplers",
     "proposer": "register_proposers",
     "model_architecture": "register_model_architectures",
+    "platform": "register_platforms",
 }

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Any, Callable, ClassVar, Iterable, Sequence as Seq
+from typing import Any, Callable, ClassVar, Iterable, NamedTuple, Sequence as Seq
 
 import torch
 from pydantic import BaseModel
@@ -328,7 +328,9 @@ class CausalLM(torch.nn.Module):
     real device and calls ``load_weights`` with the checkpoint's ``(name, tensor)``
     pairs, then finishes the linears. Every projection comes from ``make_linear(in, out,
     bias=, shard_sizes=)`` (:mod:`modserve.core.linear`): ``load_weights`` hands each of a
-    linear's checkpoint tensors to ``linear.load(name, tensor, shard)``.
+    linear's checkpoint tensors to ``linear.load(name, tensor, shard)``. The vocabulary
+    projection comes from ``make_linear.lm_head(hidden, vocab)``: float weights whatever the
+    quantizer, loaded as a plain parameter. A model never knows which platform runs it.
     """
 
     @abstractmethod
@@ -351,15 +353,9 @@ class CausalLM(torch.nn.Module):
 
     def compile_regions(self, compiler: Callable[[Callable], Callable]) -> bool:
         """Optional: replace the model's attention-free parts by ``compiler(fn)`` (a
-        ``torch.compile`` that the core configures) and return True; the attention backend
+        ``torch.compile`` that the platform configures) and return True; the attention backend
         must stay outside the compiled parts. The default compiles nothing."""
         return False
-
-    def decode_weight_modules(self) -> list[torch.nn.Module]:
-        """Modules besides the linears (e.g. the LM head) that take a ``decode_weight``
-        buffer for batch-1 decode and a ``packed_weight`` for batched steps, and read them
-        through ``linear_or_gemv``; default none."""
-        return []
 
 
 # ---------------------------------------------------------------------------
@@ -445,7 +441,76 @@ class Quantizer(ABC):
 
 
 # ---------------------------------------------------------------------------
-# Kinds whose built-ins arrive with later work; their contracts start here.
+# Platforms
+# ---------------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class ModelLoad:
+    """A model whose weights are loaded, as :meth:`Platform.finish_model` sees it."""
+
+    compile: str  # the compile setting: auto, on, off
+    dtype_setting: str  # the dtype setting: auto or a dtype's name
+    prepack_weights: str  # auto, on, off
+    dtype: torch.dtype  # the compute dtype
+    checkpoint_dtype: torch.dtype  # the checkpoint's own
+    quantized: bool  # a quantizer owns the projections' weights (never the LM head's)
+
+
+class FinishedModel(NamedTuple):
+    """What :meth:`Platform.finish_model` did."""
+
+    compiled: bool  # its regions run compiled: the engine warms them up before serving
+    decode_weight_bytes: int | None = None  # what batch-1 decode reads, where copies were added for it
+    packed_weight_bytes: int = 0  # extra weight copies for batched GEMMs
+
+
+class Platform(ABC):
+    """One device type's answers to what the core would otherwise ask with ``if device.type``:
+    the compute dtype, the memory left for the KV cache, process tuning, when to compile,
+    and how linears without a quantizer (and the LM head) keep and multiply their weights.
+
+    Contract: one per engine, made as ``cls(device, options=)`` before anything is loaded.
+    Every method runs at start-up, none per step (only the linear method's ``apply`` does),
+    in this order: ``prepare_process``,
+    ``resolve_dtype``, ``linear_method`` (while the model is built on "meta"),
+    ``finish_model`` (once its weights are loaded and its linears finished),
+    ``available_memory`` (when the KV cache is sized). Whatever ``finish_model`` adds lives
+    on the layers the linear method multiplies (:func:`modserve.core.linear.float_layers`),
+    and only that method reads it: the model stays the same on every platform.
+    """
+
+    def __init__(self, device: torch.device, options: BaseModel | None = None) -> None:
+        self.device = device
+        self.options = options
+
+    def prepare_process(self) -> None:
+        """Process-wide tuning before the model is loaded (the host allocator). Default: nothing."""
+
+    @abstractmethod
+    def resolve_dtype(self, name: str, checkpoint: torch.dtype) -> torch.dtype:
+        """The compute dtype for ``dtype: name``: that dtype, or for ``auto`` this device's
+        choice for a checkpoint stored in ``checkpoint`` (logged, saying why)."""
+
+    @abstractmethod
+    def available_memory(self) -> int:
+        """Bytes the device can allocate now; ``kv_cache_memory_fraction`` is a share of them."""
+
+    def linear_method(self) -> Quantizer:
+        """How linears without a quantizer, and the LM head, store and multiply their float
+        weights: an :class:`~modserve.core.linear.Unquantized`. Default: ``F.linear``."""
+        from modserve.core.linear import Unquantized
+
+        return Unquantized()
+
+    @abstractmethod
+    def finish_model(self, model: CausalLM, load: ModelLoad) -> FinishedModel:
+        """Once, after loading: compile the model's regions or not (``load.compile``; see
+        :func:`CausalLM.compile_regions`), and give the linear method's layers the weight
+        copies it reads. A setting of ``on`` that cannot work here is a ``ValueError``
+        saying why; an ``auto`` that stays off logs why."""
+
+
+# ---------------------------------------------------------------------------
+# Structured outputs and speculative decoding
 # ---------------------------------------------------------------------------
 @dataclass(frozen=True, slots=True)
 class GrammarVocab:
@@ -530,6 +595,26 @@ class ProposerContext:
     max_model_len: int
     vocab_size: int
     sampler: "Sampler"  # to turn draft logits into the request's processed distribution
+
+    def load_model(self, model: str) -> Any:
+        """A second checkpoint (a draft sharing the target's tokenizer) ready to run beside the
+        target: a :class:`~modserve.core.model_runner.ModelRunner` on the engine's device and
+        dtype, with KV tensors of its own for ``num_blocks`` blocks, indexed by the target's
+        block tables, so it needs no allocator. Run it with ``last_token_logits(seqs, chunks,
+        context_lens)``; ``sampling_batch(seqs)`` gives the requests' settings for ``sampler``.
+        Its own checkpoint decides its quantization (a float draft of an AWQ target stays float).
+        A checkpoint of another vocabulary size is a ``ValueError``, raised before any weight loads."""
+        from modserve.core.loader import load_hf_config
+        from modserve.core.model_runner import ModelRunner  # NOTE: imported here, it imports this module
+
+        hf_config = load_hf_config(model)
+        if hf_config.vocab_size != self.vocab_size:
+            raise ValueError(f"draft vocab_size {hf_config.vocab_size} differs from the target's "
+                             f"{self.vocab_size}: the draft must share the tokenizer")
+        config = self.config.model_copy(update={"model": model, "quantization": None})
+        runner = ModelRunner(config, hf_config, self.registry, self.dtype, self.max_model_len, set(), progress=False)
+        runner.allocate_kv_cache(self.num_blocks)
+        return runner
 
 
 @dataclass(slots=True)

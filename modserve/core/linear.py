@@ -1,27 +1,24 @@
 """Linear layers whose weights a :class:`~modserve.core.interfaces.Quantizer` owns.
 
 A model asks for its projections through ``make_linear(in, out, bias=, shard_sizes=)``
-and never sees how they are stored: plain float weights (:class:`Unquantized`, the
-default) or the selected quantizer's format. After loading, the core calls
-:func:`finish_linears`: every tensor arrived, then each quantizer post-processes.
+and never sees how they are stored: the selected quantizer's format, or without one
+float weights multiplied by the platform's linear method (:class:`Unquantized` or a
+subclass: :meth:`~modserve.core.interfaces.Platform.linear_method`). Its LM head comes from
+``make_linear.lm_head(hidden, vocab)``: float, by that same method, whatever the quantizer.
+After loading, the core calls :func:`finish_linears`: every tensor arrived, then each
+quantizer post-processes.
 """
 
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator, Protocol
+from typing import Iterator
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from modserve.core.compile import linear_or_gemv
 from modserve.core.interfaces import LinearSpec, Quantizer
-
-
-class LinearFactory(Protocol):
-    def __call__(self, in_features: int, out_features: int, *, bias: bool = False,
-                 shard_sizes: tuple[int, ...] | None = None) -> "Linear": ...
 
 
 class Linear(nn.Module):
@@ -63,10 +60,26 @@ class Linear(nn.Module):
         return f"in={s.in_features}, out={s.out_features}, bias={s.bias}, {type(self.quantizer).__name__}"
 
 
+class LMHead(nn.Module):
+    """The vocabulary projection ``[N, hidden] -> [N, vocab]``: a float ``weight`` (the
+    embedding's, when tied) that no quantizer ever owns, multiplied by the platform's
+    linear method like every unquantized linear's."""
+
+    def __init__(self, spec: LinearSpec, method: "Unquantized") -> None:
+        super().__init__()
+        self.spec = spec
+        self.quantizer = method  # always a float method
+        self.bias = None
+        method.create_weights(self, spec)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, vocab]
+        return self.quantizer.apply(self, x)
+
+
 class Unquantized(Quantizer):
-    """Float weights ``[out, in]`` in the model dtype: ``F.linear``, exactly ``nn.Linear``
-    (batch-1 decode may read a 16-bit ``decode_weight`` copy: :mod:`modserve.core.compile`;
-    other steps a packed ``packed_weight``: :mod:`modserve.core.prepack`)."""
+    """Float weights ``[out, in]`` in the model dtype: ``F.linear``, exactly ``nn.Linear``.
+    The default linear method; a platform's subclass may read copies of the weights that it
+    added after loading (the CPU's: a 16-bit ``decode_weight``, a ``packed_weight``)."""
 
     def create_weights(self, layer: nn.Module, spec: LinearSpec) -> None:
         layer.weight = param(torch.empty(spec.out_features, spec.in_features, dtype=spec.dtype))
@@ -76,8 +89,7 @@ class Unquantized(Quantizer):
         load_shard(layer.weight, tensor, layer.spec, shard, dim=0, name=name)
 
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        return linear_or_gemv(x, layer.weight, layer.bias, getattr(layer, "decode_weight", None),
-                              getattr(layer, "packed_weight", None))
+        return F.linear(x, layer.weight, layer.bias)
 
     def dequantize(self, layer: nn.Module) -> torch.Tensor:
         return layer.weight.float()
@@ -86,18 +98,36 @@ class Unquantized(Quantizer):
         return spec.out_features * spec.in_features * spec.dtype.itemsize
 
 
-def linear_factory(quantizer: Quantizer | None, dtype: torch.dtype, device: torch.device) -> LinearFactory:
-    """The ``make_linear`` a model receives: every layer it makes goes through ``quantizer``
-    (float weights when None)."""
-    method = quantizer or Unquantized()
+class LinearFactory:
+    """The ``make_linear`` a model receives: every projection it makes goes through
+    ``quantizer``, or without one through ``float_method`` (the platform's linear method;
+    default :class:`Unquantized`), and so does its LM head, quantizer or not."""
 
-    def make_linear(in_features: int, out_features: int, *, bias: bool = False,
-                    shard_sizes: tuple[int, ...] | None = None) -> Linear:
-        spec = LinearSpec(in_features, out_features, tuple(shard_sizes or (out_features,)), bias, dtype,
-                          torch.device(device))
-        return Linear(spec, method)
+    def __init__(self, quantizer: Quantizer | None, dtype: torch.dtype, device: torch.device | str,
+                 float_method: Unquantized | None = None) -> None:
+        self.float_method = float_method or Unquantized()
+        self.quantizer = quantizer or self.float_method
+        self.dtype = dtype
+        self.device = torch.device(device)
 
-    return make_linear
+    def __call__(self, in_features: int, out_features: int, *, bias: bool = False,
+                 shard_sizes: tuple[int, ...] | None = None) -> Linear:
+        spec = LinearSpec(in_features, out_features, tuple(shard_sizes or (out_features,)), bias, self.dtype,
+                          self.device)
+        return Linear(spec, self.quantizer)
+
+    def lm_head(self, in_features: int, out_features: int) -> LMHead:
+        spec = LinearSpec(in_features, out_features, (out_features,), False, self.dtype, self.device)
+        return LMHead(spec, self.float_method)
+
+
+linear_factory = LinearFactory  # the name models and tools have always built it by
+
+
+def float_layers(model: nn.Module) -> list[nn.Module]:
+    """The layers whose float ``weight`` a float method multiplies: every linear that no
+    quantizer owns, and the LM head. A platform adds its weight copies to these."""
+    return [m for m in model.modules() if isinstance(m, (Linear, LMHead)) and isinstance(m.quantizer, Unquantized)]
 
 
 def finish_linears(model: nn.Module) -> None:
@@ -118,7 +148,7 @@ def model_bytes(model: nn.Module) -> int:
 
 def planned_model_bytes(model: nn.Module) -> int:
     """What :func:`model_bytes` will be after loading, from a model built on "meta":
-    linears as their quantizer plans them, everything else at its dtype."""
+    linears as their quantizer plans them, everything else at its dtype (a tied weight once)."""
     total, seen = 0, set()
     for module in model.modules():
         if isinstance(module, Linear):

@@ -19,6 +19,12 @@ def load_hf_config(model_dir: str | Path) -> Any:
     return AutoConfig.from_pretrained(path, local_files_only=True)
 
 
+def checkpoint_dtype(hf_config: Any) -> torch.dtype:
+    """The dtype the checkpoint's config says its weights are stored in (float32 if unsaid)."""
+    dtype = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None) or torch.float32
+    return getattr(torch, dtype) if isinstance(dtype, str) else dtype
+
+
 def weight_files(model_dir: str | Path) -> list[Path]:
     """The checkpoint's weight files: the sharded index if present, else every safetensors file."""
     path = Path(model_dir)

@@ -5,44 +5,91 @@ from __future__ import annotations
 import itertools
 import logging
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
 from modserve.core.batch import build_batch
-from modserve.core.compile import (add_decode_weights, checkpoint_dtype, compile_wanted, decode_weight_dtype,
-                                   regions_compiled)
-from modserve.core.prepack import add_packed_weights, prepack_wanted
 from modserve.core.config import EngineConfig
 from modserve.core.grammar import fill_token_bitmask
-from modserve.core.interfaces import AttentionSpec, SamplerOutput, SamplingBatch
+from modserve.core.interfaces import (AttentionMetadata, AttentionSpec, ModelLoad, Platform, SamplerOutput,
+                                      SamplingBatch)
 from modserve.core.linear import default_dtype, finish_linears, linear_factory, model_bytes
-from modserve.core.loader import iter_weights
+from modserve.core.loader import checkpoint_dtype, iter_weights
 from modserve.core.quantization import kv_cache_dtype, select_quantizer
 from modserve.core.registry import Registry
 from modserve.core.sequence import Sequence
-from modserve.core.speculative import verify
+from modserve.core.spec_decode import verify_drafts
+
+if TYPE_CHECKING:
+    from modserve.core.scheduler import ScheduledStep
 
 logger = logging.getLogger("modserve")
 
 
 @dataclass(slots=True)
-class StepOutput:
-    sampled: list[Sequence] = field(default_factory=list)  # one new token each
+class ModelInput:
+    """One step's forward input, and which rows of its output become tokens."""
+
+    input_ids: torch.Tensor  # [T] int64, every sequence's new tokens back to back
+    meta: AttentionMetadata
+    sampled: list[Sequence]  # the step reaches their last token, no drafts: one sample each
+    sample_rows: torch.Tensor  # [S] int64: the row of each one's last token
+    speculating: list[Sequence]  # with drafts, verified
+    spec_rows: torch.Tensor  # [R] int64: each one's rows of its last real token and of its drafts
+
+
+@dataclass(slots=True)
+class ModelOutput:
+    """What one executed step produced, the same for every sequence that got tokens."""
+
+    # Per sequence: its sampled token, or its accepted drafts and one token more. The
+    # samples (n > 1) forked this step follow their parent; the order is the rows' order.
+    token_ids: dict[Sequence, list[int]] = field(default_factory=dict)
+    # One row per token above, in that order: the logprob, rank and top logprobs of the row
+    # it was drawn from. None when no sequence asked for logprobs.
     samples: SamplerOutput | None = None
-    spec_seqs: list[Sequence] = field(default_factory=list)  # several new tokens each
-    spec_tokens: list[list[int]] = field(default_factory=list)  # accepted drafts + one more
-    spec_samples: SamplerOutput | None = None  # one row per emitted spec token, in order
+
+
+def _join_rows(parts: list[SamplerOutput]) -> SamplerOutput | None:
+    """The rows of ``parts`` in order, as one output; None when no part holds logprobs
+    (nothing else is read from it). NOTE: only a step with both sampled and speculating
+    sequences has two parts; a field one part lacks is zeros in its rows (none of its
+    sequences asked for it, so nothing reads them)."""
+    if len(parts) == 1:
+        return parts[0] if parts[0].logprobs is not None else None
+    if all(p.logprobs is None for p in parts):
+        return None
+    dev = next(p.logprobs.device for p in parts if p.logprobs is not None)
+    width = max((p.top_ids.shape[1] for p in parts if p.top_ids is not None), default=0)
+
+    def cat(name: str, dtype: torch.dtype, cols: int = 0) -> torch.Tensor:  # [rows] or [rows, cols]
+        columns = []
+        for p in parts:
+            t, rows = getattr(p, name), p.token_ids.shape[0]
+            if t is None:
+                t = torch.zeros((rows, cols) if cols else rows, dtype=dtype, device=dev)
+            elif cols and t.shape[1] < cols:
+                t = torch.nn.functional.pad(t, (0, cols - t.shape[1]))
+            columns.append(t.to(dev))
+        return torch.cat(columns)
+
+    out = SamplerOutput(cat("token_ids", torch.int64), cat("logprobs", torch.float32), cat("ranks", torch.int64))
+    if width:
+        out.top_ids, out.top_logprobs = cat("top_ids", torch.int64, width), cat("top_logprobs", torch.float32, width)
+    return out
 
 
 class ModelRunner:
     def __init__(self, config: EngineConfig, hf_config: Any, registry: Registry, dtype: torch.dtype,
-                 max_model_len: int, eos_token_ids: set[int], progress: bool = True) -> None:
+                 max_model_len: int, eos_token_ids: set[int], progress: bool = True,
+                 platform: Platform | None = None) -> None:
         self.config = config
         self.eos_token_ids = sorted(eos_token_ids)
         self.hf_config = hf_config
         self.device = torch.device(config.device)
+        self.platform = platform or registry.create("platform", config.platform_choice(), self.device)
         self.dtype = dtype
         self.block_size = config.block_size
         num_heads = hf_config.num_attention_heads
@@ -73,29 +120,25 @@ class ModelRunner:
             raise ValueError("config.json names no 'architectures'")
         model_cls = registry.load("model_architecture", archs[0])
         self.quantizer = select_quantizer(self.config.quantization, self.hf_config, registry)
-        make_linear = linear_factory(self.quantizer, self.dtype, self.device)
+        make_linear = linear_factory(self.quantizer, self.dtype, self.device, self.platform.linear_method())
         with torch.device("meta"), default_dtype(self.dtype):
             model = model_cls(self.hf_config, self.attn, max_model_len, make_linear=make_linear)
         model = model.to_empty(device=self.device)
         model.load_weights(self._weights(progress))
         finish_linears(model)
-        self.decode_weight_bytes = model_bytes(model)  # what a decode step reads
-        self.compiled = compile_wanted(self.config.compile, self.device, self.decode_weight_bytes,
-                                       self.quantizer is not None) \
-            and regions_compiled(model)
-        decode_dtype = decode_weight_dtype(self.config.dtype, self.dtype, checkpoint_dtype(self.hf_config),
-                                           self.device, self.compiled)
-        if decode_dtype is not None:
-            self.decode_weight_bytes = add_decode_weights(model, decode_dtype)
+        # Compile or not, and weight copies in the layouts its linear method reads: the platform's.
+        cfg = self.config
+        finished = self.platform.finish_model(model, ModelLoad(
+            cfg.compile, cfg.dtype, cfg.prepack_weights, self.dtype, checkpoint_dtype(self.hf_config),
+            self.quantizer is not None))
+        self.compiled = finished.compiled
         self.weight_bytes = model_bytes(model)
-        self.packed_weight_bytes = 0
-        if prepack_wanted(self.config.prepack_weights, self.device, self.dtype, self.weight_bytes,
-                          self.quantizer is not None):
-            self.packed_weight_bytes = add_packed_weights(model)
+        self.decode_weight_bytes = finished.decode_weight_bytes or self.weight_bytes  # what a decode step reads
+        self.packed_weight_bytes = finished.packed_weight_bytes
         logger.info("weights: %.1f MiB (%s)%s%s", self.weight_bytes / 2**20,
                     type(self.quantizer).__name__ if self.quantizer else str(self.dtype).removeprefix("torch."),
                     f", of which batch-1 decode reads {self.decode_weight_bytes / 2**20:.1f} MiB"
-                    if decode_dtype is not None else "",
+                    if finished.decode_weight_bytes is not None else "",
                     f"; plus {self.packed_weight_bytes / 2**20:.1f} MiB packed for batched GEMMs"
                     if self.packed_weight_bytes else "")
         if self.compiled:
@@ -154,95 +197,75 @@ class ModelRunner:
 
     # -- one step -------------------------------------------------------------------
     @torch.inference_mode()
-    def execute(self, seqs: list[Sequence], num_new_tokens: list[int]) -> StepOutput:
-        """Run the model on each sequence's next ``num_new_tokens`` tokens (its draft
-        tokens last, if it has any); sample for the sequences whose last token this step
-        reaches, and verify the drafts of those that speculate."""
-        input_ids, meta, rows, sampled, spec, spec_rows = self._prepare(seqs, num_new_tokens)
-        state = self.attn.prepare(meta)
-        hidden = self.model(input_ids, meta.positions, self.kv_caches, meta, state)  # [T, hidden]
-        step = StepOutput()
-        if sampled:
-            logits = self.model.compute_logits(hidden[rows])  # [S, vocab]
-            if any(s.pending_forks for s in sampled):
-                # n > 1: the prompt was computed once; every sample draws from its logits.
-                repeats = torch.tensor([1 + len(s.pending_forks) for s in sampled], device=logits.device)
-                logits = logits.repeat_interleave(repeats, dim=0)
-                sampled = [x for s in sampled for x in (s, *s.pending_forks)]
-            step.sampled, step.samples = sampled, self.sampler(logits, self._sampling_batch(sampled))
-        if spec:
-            step.spec_seqs = spec
-            step.spec_tokens, step.spec_samples = self._verify(spec, self.model.compute_logits(hidden[spec_rows]))
-        return step
+    def execute(self, scheduled: ScheduledStep) -> ModelOutput:
+        """Run one scheduled step: its block moves, then the model on each sequence's
+        scheduled tokens (its drafts last); sample for the sequences whose last token the
+        step reaches, and verify the drafts of those that speculate."""
+        self.move_blocks(scheduled.copies, scheduled.swap_out, scheduled.swap_in)
+        batch = self._prepare(scheduled.seqs, scheduled.num_new_tokens, scheduled.draft_tokens)
+        hidden = self._forward(batch.input_ids, batch.meta)  # [T, hidden]
+        out, parts = ModelOutput(), []
+        if batch.sampled:
+            seqs, samples = self._sample(batch.sampled, self.model.compute_logits(hidden[batch.sample_rows]))
+            out.token_ids = {s: [t] for s, t in zip(seqs, samples.token_ids.tolist())}
+            parts.append(samples)
+        if batch.speculating:
+            seqs = batch.speculating
+            tokens, samples = verify_drafts(self, seqs, [scheduled.draft_tokens[s] for s in seqs],
+                                            [scheduled.draft_probs.get(s) for s in seqs],
+                                            self.model.compute_logits(hidden[batch.spec_rows]))
+            out.token_ids.update(zip(seqs, tokens))
+            parts.append(samples)
+        out.samples = _join_rows(parts)
+        return out
 
-    def _prepare(self, seqs: list[Sequence], num_new_tokens: list[int]):
+    def _forward(self, input_ids: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:  # [T, hidden]
+        return self.model(input_ids, meta.positions, self.kv_caches, meta, self.attn.prepare(meta))
+
+    def _sample(self, seqs: list[Sequence], logits: torch.Tensor) -> tuple[list[Sequence], SamplerOutput]:
+        """One token per sequence, and one for each sample (n > 1) that forks from it."""
+        if any(s.pending_forks for s in seqs):
+            # n > 1: the prompt was computed once; every sample draws from its logits.
+            repeats = torch.tensor([1 + len(s.pending_forks) for s in seqs], device=logits.device)
+            logits = logits.repeat_interleave(repeats, dim=0)
+            seqs = [x for s in seqs for x in (s, *s.pending_forks)]
+        return seqs, self.sampler(logits, self.sampling_batch(seqs))
+
+    def _prepare(self, seqs: list[Sequence], num_new_tokens: list[int],
+                 draft_tokens: dict[Sequence, list[int]] | None = None) -> ModelInput:
+        drafts = draft_tokens or {}
         ctx = [s.num_computed_tokens for s in seqs]
         # A speculating sequence computes its last real token, then its drafts.
-        chunks = [s.token_ids[c : c + n - len(s.spec_tokens)] + s.spec_tokens
+        chunks = [s.token_ids[c : c + n] if s not in drafts else s.token_ids[c : c + n - len(drafts[s])] + drafts[s]
                   for s, c, n in zip(seqs, ctx, num_new_tokens)]
         input_ids, meta = build_batch(chunks, ctx, [s.block_ids for s in seqs], self.block_size, self.device)
         ends = list(itertools.accumulate(num_new_tokens))
-        sampled, rows, spec, spec_rows = [], [], [], []
+        sampled, sample_rows, speculating, spec_rows = [], [], [], []
         for s, c, n, end in zip(seqs, ctx, num_new_tokens, ends):
-            if s.spec_tokens:  # logits of the last real token and of every draft
-                spec.append(s)
-                spec_rows.extend(range(end - 1 - len(s.spec_tokens), end))
+            if s in drafts:  # logits of the last real token and of every draft
+                speculating.append(s)
+                spec_rows.extend(range(end - 1 - len(drafts[s]), end))
             elif c + n == s.num_tokens:  # only a sequence whose last token is reached gets a sample
                 sampled.append(s)
-                rows.append(end - 1)
+                sample_rows.append(end - 1)
         as_index = lambda r: torch.tensor(r, dtype=torch.int64, device=self.device)  # noqa: E731
-        return input_ids, meta, as_index(rows), sampled, spec, as_index(spec_rows)
+        return ModelInput(input_ids, meta, sampled, as_index(sample_rows), speculating, as_index(spec_rows))
 
-    def _verify(self, seqs: list[Sequence], logits: torch.Tensor) -> tuple[list[list[int]], SamplerOutput]:
-        """Rejection-sample each sequence's drafts against the target; logits [R, V] hold,
-        per sequence, the rows of its last real token and of each draft."""
-        counts = [1 + len(s.spec_tokens) for s in seqs]
-        K = max(counts) - 1
-        starts = [0, *itertools.accumulate(counts)][:-1]
-        # Each row's processed distribution, with its sequence's settings.
-        rep = self._sampling_batch([s for s, c in zip(seqs, counts) for _ in range(c)])
-        if rep.allowed_token_bitmask is not None:
-            rep.allowed_token_bitmask = self._draft_bitmask(seqs, starts, sum(counts))
-        probs = self.sampler.probs(logits, rep)
-        pos = torch.tensor([[st + min(j, c - 1) for j in range(K + 1)] for st, c in zip(starts, counts)],
-                           device=self.device)  # [B, K+1] rows, the last repeated as padding
-        drafts = torch.tensor([s.spec_tokens + [0] * (K - len(s.spec_tokens)) for s in seqs], device=self.device)
-        q = None
-        if any(s.spec_probs is not None for s in seqs):
-            q = torch.zeros(len(seqs), K, probs.shape[1], device=self.device)  # [B, K, V]
-            for b, s in enumerate(seqs):
-                q[b, : len(s.spec_tokens)] = s.spec_probs if s.spec_probs is not None else \
-                    torch.nn.functional.one_hot(torch.tensor(s.spec_tokens, device=self.device), probs.shape[1])
-        batch = self._sampling_batch(seqs)
-        verified = verify(probs[pos], drafts, [c - 1 for c in counts], q, batch.temperature == 0, batch.generators)
-        # Per emitted token, the raw logprobs of the row it was drawn from.
-        emitted = [st + j for st, toks in zip(starts, verified.token_ids) for j in range(len(toks))]
-        out = SamplerOutput(token_ids=torch.tensor([t for toks in verified.token_ids for t in toks]))
-        if batch.max_num_logprobs >= 0:
-            raw = logits[emitted].float().log_softmax(dim=-1)  # [E, V]
-            out.logprobs = raw.gather(1, out.token_ids.unsqueeze(1).to(raw.device)).squeeze(1)
-            out.ranks = (raw > out.logprobs.unsqueeze(1)).sum(dim=-1) + 1
-            if batch.max_num_logprobs > 0:
-                out.top_logprobs, out.top_ids = raw.topk(min(batch.max_num_logprobs, raw.shape[-1]), dim=-1)
-        return verified.token_ids, out
+    # -- a second model beside the target (a proposer's draft) --------------------------
+    @torch.inference_mode()
+    def last_token_logits(self, seqs: list[Sequence], chunks: list[list[int]],
+                          context_lens: list[int]) -> torch.Tensor:
+        """Run the model on ``chunks[i]``, the tokens of ``seqs[i]`` from position
+        ``context_lens[i]`` on, writing their KV into this runner's cache at the sequence's
+        blocks; return the logits [B, V] at each chunk's last token. What a draft model
+        made by ``ProposerContext.load_model`` runs: its own KV, the target's block tables."""
+        input_ids, meta = build_batch(chunks, context_lens, [s.block_ids for s in seqs], self.block_size,
+                                      self.device)
+        hidden = self._forward(input_ids, meta)  # [T, hidden]
+        return self.model.compute_logits(hidden[meta.query_start_loc[1:] - 1])  # [B, V]
 
-    def _draft_bitmask(self, seqs: list[Sequence], starts: list[int], num_rows: int) -> torch.Tensor:
-        """Grammar masks for verification: the row of draft position j holds the grammar
-        state after the first j drafts (drafts were checked against it when proposed)."""
-        mask = torch.full((num_rows, (self.vocab_size + 31) // 32), -1, dtype=torch.int32)
-        for seq, start in zip(seqs, starts):
-            matcher = seq.grammar
-            if matcher is None:
-                continue
-            for j, token in enumerate([None, *seq.spec_tokens]):
-                if token is not None:
-                    matcher.accept_token(token)
-                if not matcher.is_terminated():  # past the end every token is dropped anyway
-                    matcher.fill_bitmask(mask, start + j)
-            matcher.rollback(len(seq.spec_tokens))
-        return mask.to(self.device, non_blocking=True)
-
-    def _sampling_batch(self, seqs: list[Sequence]) -> SamplingBatch:
+    def sampling_batch(self, seqs: list[Sequence]) -> SamplingBatch:
+        """The sampler's settings for ``seqs``, one row each."""
         params = [s.params for s in seqs]
         dev = self.device
 

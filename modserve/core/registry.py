@@ -2,9 +2,10 @@
 
 Plugins are Python modules (or objects) implementing hooks from
 :mod:`modserve.core.hookspecs`. They arrive through entry points of the
-``modserve`` group, filtered by ``MODSERVE_LOAD_PLUGINS`` (comma list of
-distribution names; an empty string loads none), or are registered directly
-(tests, embedding applications) with :meth:`Registry.add_plugin`.
+``modserve`` group, or are registered directly (tests, embedding applications)
+with :meth:`Registry.add_plugin`. ``MODSERVE_LOAD_PLUGINS`` (a comma list of
+distribution names) filters the third-party distributions; the built-ins, which
+register through the same entry points, always load (an empty value: built-ins only).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ logger = logging.getLogger("modserve")
 
 GROUP = "modserve"
 ENV_ALLOWLIST = "MODSERVE_LOAD_PLUGINS"
+BUILTIN_DISTRIBUTION = "modserve"  # the built-ins' distribution: never filtered out
 
 
 class PluginError(RuntimeError):
@@ -45,6 +47,9 @@ class Registration:
     plugin: str  # pluggy plugin name
     distribution: str
     version: str
+    # Higher first where the core picks among a kind's implementations itself (the
+    # grammar backend ``auto`` tries them by priority for the constraint's kind).
+    priority: dict[str, int] = field(default_factory=dict)
 
     @property
     def origin(self) -> str:
@@ -111,12 +116,13 @@ class Registry:
     def load_entrypoints(self, allow: set[str] | None = None) -> None:
         """Load the ``modserve`` entry points of installed distributions.
 
-        ``allow`` limits it to those distributions (None: all). A plugin that fails
-        to import is recorded in :attr:`failures` and logged, never fatal here.
+        ``allow`` limits the third-party ones to those distributions (None: all);
+        modserve's own built-ins load whatever it says. A plugin that fails to
+        import is recorded in :attr:`failures` and logged, never fatal here.
         """
         for dist in md.distributions():
             dist_name = dist.metadata["Name"]
-            if allow is not None and _norm(dist_name) not in allow:
+            if allow is not None and _norm(dist_name) not in allow | {BUILTIN_DISTRIBUTION}:
                 continue
             for ep in dist.entry_points:
                 if ep.group != GROUP:
@@ -179,12 +185,14 @@ class Registry:
                     *,
                     options: type[BaseModel] | str | None = None,
                     description: str = "",
+                    priority: dict[str, int] | None = None,
                     _kind: str = kind,
                     _plugin: str = impl.plugin_name,
                     _dist: str = dist,
                     _version: str = version,
                 ) -> None:
-                    new = Registration(_kind, name, target, options, description, _plugin, _dist, _version)
+                    new = Registration(_kind, name, target, options, description, _plugin, _dist, _version,
+                                       dict(priority or {}))
                     old = by_kind[_kind].get(name)
                     if old is not None:
                         raise PluginError(
@@ -278,7 +286,7 @@ def _norm(name: str) -> str:
 
 
 def allowed_distributions() -> set[str] | None:
-    """Distributions named by ``MODSERVE_LOAD_PLUGINS``; None when the variable is unset."""
+    """Third-party distributions named by ``MODSERVE_LOAD_PLUGINS``; None when it is unset."""
     raw = os.environ.get(ENV_ALLOWLIST)
     if raw is None:
         return None

@@ -3,18 +3,25 @@
 A scheduling policy (a ``Scheduler`` plugin) reads this object through the
 ``SchedulerView`` interface and returns a ``Schedule``; :meth:`SchedulerCore.step`
 checks it in full before changing anything, so a faulty policy cannot leave the
-queues or the allocator in a broken state.
+queues or the allocator in a broken state. After the runner executed the step,
+:meth:`SchedulerCore.update` applies what it computed. The engine changes neither the
+queues nor the allocator itself: every change goes through this object.
 """
 
 from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from modserve.core.interfaces import KVAllocator, Schedule, Scheduler, SchedulerLimits, SchedulerView
 from modserve.core.registry import PluginError
 from modserve.core.sequence import Sequence, SequenceStatus
+
+if TYPE_CHECKING:
+    import torch
+
+    from modserve.core.model_runner import ModelOutput
 
 
 class SwapSpace:
@@ -39,13 +46,19 @@ class SwapSpace:
 
 @dataclass(slots=True)
 class ScheduledStep:
+    """One step as scheduled: what the runner computes, and the block moves before it."""
+
     seqs: list[Sequence]
-    num_new_tokens: list[int]
+    num_new_tokens: list[int]  # per sequence; a speculating one's drafts included
     preempted: list[Sequence]
     copies: list[tuple[int, int]] = field(default_factory=list)  # device block -> device block
     swap_out: list[tuple[int, int]] = field(default_factory=list)  # device block -> host block
     swap_in: list[tuple[int, int]] = field(default_factory=list)  # host block -> device block
-    host_blocks_done: list[int] = field(default_factory=list)  # free these after the swaps ran
+    # Speculative decoding: the drafts each speculating sequence computes after its last
+    # real token (vLLM's scheduled_spec_decode_tokens), and [len(drafts), V] the
+    # distributions they were drawn from (absent: drawn deterministically, q one-hot).
+    draft_tokens: dict[Sequence, list[int]] = field(default_factory=dict)
+    draft_probs: dict[Sequence, torch.Tensor] = field(default_factory=dict)
 
     @property
     def num_tokens(self) -> int:
@@ -67,6 +80,7 @@ class SchedulerCore(SchedulerView):
         self.swapped: deque[Sequence] = deque()
         self.preemptions = {"recompute": 0, "swap": 0}
         self.blocks_swapped = {"out": 0, "in": 0}
+        self._swapped_in: list[int] = []  # host blocks this step copies back; free once it ran
 
     @property
     def num_preemptions(self) -> int:
@@ -112,6 +126,7 @@ class SchedulerCore(SchedulerView):
         first (in admission order), then swapped, then waiting, for the engine to re-add."""
         seqs = [*self.running, *self.swapped, *self.waiting]
         self.running, self.swapped, self.waiting = [], deque(), deque()
+        self._give_back_swapped_in()  # the failed step's, if it swapped any in
         for seq in seqs:
             if self.swap_space is not None and seq.seq_id in self.swap_space.held:
                 self.swap_space.give_back(self.swap_space.held.pop(seq.seq_id))
@@ -142,13 +157,51 @@ class SchedulerCore(SchedulerView):
             if seq.status is SequenceStatus.SWAPPED:
                 host = self.swap_space.held.pop(seq.seq_id)
                 out.swap_in.extend(zip(host, seq.block_ids))
-                out.host_blocks_done.extend(host)
+                self._swapped_in.extend(host)
                 self.blocks_swapped["in"] += len(host)
             seq.status = SequenceStatus.RUNNING
             out.seqs.append(seq)
             out.num_new_tokens.append(n)
         out.copies = self.allocator.take_copies()
         return out
+
+    def update(self, scheduled: ScheduledStep, output: ModelOutput) -> None:
+        """Apply what an executed step computed, before its tokens are appended: each
+        sequence's progress (a speculating one's over its accepted drafts only), the
+        prefix cache, the forks of n > 1 samples, the host blocks its swap-ins freed."""
+        drafts = scheduled.draft_tokens
+        for seq, n in zip(scheduled.seqs, scheduled.num_new_tokens):
+            speculated = seq in drafts
+            if speculated:
+                # KV stays valid for the last real token and the accepted drafts only.
+                n -= len(drafts[seq]) + 1 - len(output.token_ids[seq])
+            seq.num_computed_tokens += n
+            if speculated:
+                self.allocator.trim(seq, seq.num_computed_tokens)  # the rejected slots go back at once
+            self.allocator.mark_computed(seq)
+            if seq.pending_forks and seq.num_computed_tokens == seq.num_tokens:
+                self._fork(seq)
+        self._give_back_swapped_in()
+
+    def _fork(self, parent: Sequence) -> None:
+        """Start the request's other samples (n > 1) on the blocks of its computed prompt."""
+        free_slots = self.limits.max_num_seqs - len(self.running)
+        for child in parent.pending_forks:
+            if free_slots > 0:
+                child.num_computed_tokens = parent.num_computed_tokens
+                self.allocator.fork(parent, child)
+                self.add_running(child)
+                free_slots -= 1
+            else:
+                # No sequence slot left: it waits like a preempted sequence, behind the
+                # requests already waiting (its prompt's full blocks are likely cached).
+                self.add(child)
+        parent.pending_forks = []
+
+    def _give_back_swapped_in(self) -> None:
+        if self._swapped_in:
+            self.swap_space.give_back(self._swapped_in)
+            self._swapped_in = []
 
     def _preempt(self, seq: Sequence, out: ScheduledStep) -> None:
         self.running.remove(seq)

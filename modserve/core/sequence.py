@@ -4,9 +4,15 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from modserve.core.sampling_params import SamplingParams
+
+if TYPE_CHECKING:  # the seams' types; none of them is needed at run time here
+    import torch
+
+    from modserve.core.interfaces import GrammarMatcher
+    from modserve.core.tokenizer import IncrementalDecoder
 
 
 class SequenceStatus(enum.Enum):
@@ -40,11 +46,9 @@ class Sequence:
     block_hashes: list[bytes] = field(default_factory=list)
     # Samples of the same request (n > 1) that fork from this one once its prompt is computed.
     pending_forks: list["Sequence"] = field(default_factory=list)
-    # Speculative decoding: extra slots the scheduler may grant beyond the real tokens,
-    # and the draft tokens verified this step (computed after the real ones).
+    # Speculative decoding: draft slots the scheduler may grant beyond the real tokens
+    # (set before each schedule; the drafts themselves travel in ScheduledStep.draft_tokens).
     num_lookahead: int = 0
-    spec_tokens: list[int] = field(default_factory=list)
-    spec_probs: Any = None  # [len(spec_tokens), V] draft distributions; None: drawn deterministically
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: str | None = None
     stop_reason: int | str | None = None
@@ -52,11 +56,9 @@ class Sequence:
     # Filled by the engine's output side.
     logprobs: list[dict[str, Any]] = field(default_factory=list)
     text: str = ""
-    generator: Any = None  # torch.Generator for seeded requests
-    first_token_time: float | None = None
-    token_times: list[float] = field(default_factory=list)
-    detok: Any = None  # incremental detokenizer state
-    grammar: Any = None  # GrammarMatcher of a structured-outputs request, set once its grammar compiled
+    generator: "torch.Generator | None" = None  # seeded requests draw from their own
+    detok: "IncrementalDecoder | None" = None  # the text so far, a token at a time
+    grammar: "GrammarMatcher | None" = None  # a structured-outputs request's, once its grammar compiled
 
     @property
     def num_tokens(self) -> int:

@@ -1,1 +1,1 @@
-"""Built-in plugins: KV allocators, schedulers (later: grammar backends, proposers)."""
+"""Built-in plugins, one folder per kind: models, platforms, kv_allocators, schedulers, grammars, proposers."""

@@ -1,14 +1,8 @@
-"""Built-in model architectures, registered like any plugin's."""
+"""Deprecated: moved to :mod:`modserve.plugins.models`; importable here for one minor version."""
 
-from modserve.core.hookspecs import hookimpl
+import warnings
 
-_LLAMA = "modserve.core.models.llama:LlamaForCausalLM"
+from modserve.plugins.models import register_model_architectures  # noqa: F401
 
-
-@hookimpl
-def register_model_architectures(register) -> None:
-    # Mistral and Qwen2 are the Llama block with small config differences
-    # (sliding window, q/k/v bias, tied embeddings) that the one class reads from the config.
-    register("LlamaForCausalLM", _LLAMA, description="Llama 1/2/3 (GQA, RoPE incl. llama3 scaling)")
-    register("MistralForCausalLM", _LLAMA, description="Mistral (Llama block)")
-    register("Qwen2ForCausalLM", _LLAMA, description="Qwen2 (q/k/v bias, tied embeddings)")
+warnings.warn("modserve.core.models moved to modserve.plugins.models", DeprecationWarning,
+              stacklevel=2)

@@ -5,9 +5,7 @@ from __future__ import annotations
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
-from modserve.core.batch import build_batch
 from modserve.core.interfaces import Proposal, Proposer, ProposerContext
-from modserve.core.loader import load_hf_config
 from modserve.core.sequence import Sequence
 from modserve.core.speculative import sample_rows
 
@@ -32,17 +30,7 @@ class DraftModelProposer(Proposer):
         super().__init__(context, options)
         if options is None:
             raise ValueError("the draft_model proposer needs options.model (a checkpoint directory)")
-        from modserve.core.model_runner import ModelRunner
-
-        hf_config = load_hf_config(options.model)
-        if hf_config.vocab_size != context.vocab_size:
-            raise ValueError(f"draft vocab_size {hf_config.vocab_size} differs from the target's "
-                             f"{context.vocab_size}: the draft must share the tokenizer")
-        # The draft's own checkpoint decides its quantization (a float draft of an AWQ target stays float).
-        draft_config = context.config.model_copy(update={"model": options.model, "quantization": None})
-        self.runner = ModelRunner(draft_config, hf_config, context.registry, context.dtype,
-                                  context.max_model_len, set(), progress=False)
-        self.runner.allocate_kv_cache(context.num_blocks)
+        self.draft = context.load_model(options.model)  # a ModelRunner; refuses another vocabulary
         self.computed: dict[int, int] = {}  # seq_id -> tokens whose draft KV is in place
 
     def forget(self, seq: Sequence) -> None:
@@ -51,10 +39,10 @@ class DraftModelProposer(Proposer):
     @torch.inference_mode()
     def propose(self, seqs: list[Sequence], num_tokens: list[int]) -> Proposal:
         ctx = [min(self.computed.get(s.seq_id, 0), s.num_tokens - 1) for s in seqs]
-        logits = self._forward([s.token_ids[c:] for s, c in zip(seqs, ctx)], ctx, seqs)  # [B, V] at last tokens
+        logits = self.draft.last_token_logits(seqs, [s.token_ids[c:] for s, c in zip(seqs, ctx)], ctx)  # [B, V]
         for s in seqs:
             self.computed[s.seq_id] = s.num_tokens
-        batch = self.runner._sampling_batch(seqs)
+        batch = self.draft.sampling_batch(seqs)
         greedy = batch.temperature == 0  # [B]
         k = max(num_tokens)
         tokens = torch.zeros(len(seqs), k, dtype=torch.int64, device=logits.device)  # [B, k]
@@ -69,14 +57,9 @@ class DraftModelProposer(Proposer):
             if not keep:
                 break
             rows = [rows[j] for j in keep]
-            batch = self.runner._sampling_batch([seqs[r] for r in rows])
+            drafting = [seqs[r] for r in rows]
+            batch = self.draft.sampling_batch(drafting)
             greedy = batch.temperature == 0
-            logits = self._forward([[int(tok[j])] for j in keep], [seqs[r].num_tokens + i for r in rows],
-                                   [seqs[r] for r in rows])
+            logits = self.draft.last_token_logits(drafting, [[int(tok[j])] for j in keep],
+                                                  [s.num_tokens + i for s in drafting])
         return Proposal([tokens[b, : num_tokens[b]].tolist() for b in range(len(seqs))], probs)
-
-    def _forward(self, chunks: list[list[int]], ctx: list[int], seqs: list[Sequence]) -> torch.Tensor:
-        r = self.runner
-        ids, meta = build_batch(chunks, ctx, [s.block_ids for s in seqs], r.block_size, r.device)
-        hidden = r.model(ids, meta.positions, r.kv_caches, meta, r.attn.prepare(meta))  # [T, hidden]
-        return r.model.compute_logits(hidden[meta.query_start_loc[1:] - 1])  # [B, V]

@@ -11,7 +11,7 @@
 // Beyond a few rows, panel_linear (below) is the float32 GEMM of batched steps.
 //
 // Registered as torch.ops.modserve_cpu.bf16_linear, .panel_linear and .few_rows_linear
-// (built by modserve/core/cpu_kernels.py).
+// (built by modserve/plugins/platforms/cpu/kernels.py).
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>

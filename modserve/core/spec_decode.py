@@ -1,0 +1,181 @@
+"""Speculative decoding in the step: draft slots before scheduling, drafts into the
+scheduled step, verification after the target's forward pass.
+
+A speculating sequence goes through one step as:
+
+1. ``SpecDecode.reserve``: a running decode gets up to ``k`` lookahead slots
+   (``seq.num_lookahead``); the policy schedules them like any other token, so they
+   count against the token budget and the KV blocks.
+2. ``SpecDecode.propose``: the proposer fills the granted slots; the drafts (cut to what
+   the request's grammar accepts) travel in ``ScheduledStep.draft_tokens``, and the
+   sequence's scheduled tokens shrink to ``1 + len(drafts)``.
+3. The runner computes the last real token and the drafts in one pass and calls
+   ``verify_drafts``: rejection sampling against the target (:mod:`modserve.core.speculative`).
+4. ``SchedulerCore.update`` keeps the KV of the accepted drafts only.
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import TYPE_CHECKING, Any, Callable, Iterable
+
+import torch
+
+from modserve.core.interfaces import Proposer, ProposerContext, SamplerOutput
+from modserve.core.sequence import Sequence
+from modserve.core.speculative import verify
+
+if TYPE_CHECKING:
+    from modserve.core.config import EngineConfig
+    from modserve.core.model_runner import ModelOutput, ModelRunner
+    from modserve.core.registry import Registry
+    from modserve.core.scheduler import ScheduledStep
+
+
+class SpecDecode:
+    """The engine's side of speculative decoding. Without a proposer every method does nothing."""
+
+    def __init__(self, proposer: Proposer | None, num_speculative_tokens: int, max_model_len: int) -> None:
+        self.proposer = proposer
+        self.k = num_speculative_tokens
+        self.max_model_len = max_model_len
+        self.counters = {"spec_proposed_tokens": 0, "spec_accepted_tokens": 0, "spec_verifications": 0}
+
+    @classmethod
+    def create(cls, config: EngineConfig, registry: Registry, runner: ModelRunner, num_blocks: int,
+               max_model_len: int) -> SpecDecode:
+        """With the proposer ``config.speculative`` names, built beside the target ``runner``."""
+        spec = config.speculative
+        if spec is None:
+            return cls(None, 0, max_model_len)
+        context = ProposerContext(config, registry, runner.device, runner.dtype, num_blocks, config.block_size,
+                                  max_model_len, runner.vocab_size, runner.sampler)
+        return cls(registry.create("proposer", spec.proposer, context), spec.num_speculative_tokens, max_model_len)
+
+    def reserve(self, running: Iterable[Sequence], max_tokens: Callable[[Sequence], int]) -> None:
+        """Set each running sequence's draft slots for the next schedule; ``max_tokens(seq)``
+        is its request's limit on output tokens."""
+        if self.proposer is None:
+            return
+        for seq in running:
+            seq.num_lookahead = self._lookahead(seq, max_tokens(seq))
+
+    def _lookahead(self, seq: Sequence, max_tokens: int) -> int:
+        """Draft slots a running sequence may speculate into this step (0: it won't)."""
+        p = seq.params
+        if (seq.num_computed_tokens != seq.num_tokens - 1 or seq.pending_forks
+                or p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty
+                or seq.num_output_tokens < p.min_tokens):
+            # NOTE: penalties and min_tokens depend on the tokens before each draft
+            # position; such requests decode one token at a time rather than approximately.
+            return 0
+        room = min(max_tokens - seq.num_output_tokens, self.max_model_len - seq.num_tokens) - 1
+        return max(0, min(self.k, room))
+
+    def propose(self, scheduled: ScheduledStep) -> None:
+        """Fill the draft slots the schedule granted, shrink them to what was proposed, and
+        put the drafts into ``scheduled``; preempted sequences lose their slots."""
+        if self.proposer is None:
+            return
+        for seq in scheduled.preempted:
+            self.forget(seq)
+        granted = [(i, s, n - 1) for i, (s, n) in enumerate(zip(scheduled.seqs, scheduled.num_new_tokens))
+                   if n > s.num_tokens - s.num_computed_tokens]
+        if granted:
+            self._fill(scheduled, granted)
+        for seq in scheduled.seqs:
+            seq.num_lookahead = 0  # the schedule has used it
+
+    def _fill(self, scheduled: ScheduledStep, granted: list[tuple[int, Sequence, int]]) -> None:
+        proposal = self.proposer.propose([s for _, s, _ in granted], [k for _, _, k in granted])
+        for j, (i, seq, k) in enumerate(granted):
+            drafts = list(proposal.token_ids[j][:k])
+            if seq.grammar is not None:
+                drafts = _grammar_prefix(seq.grammar, drafts)
+            scheduled.num_new_tokens[i] = 1 + len(drafts)
+            self.counters["spec_proposed_tokens"] += len(drafts)
+            if drafts:
+                scheduled.draft_tokens[seq] = drafts
+                if proposal.probs is not None:
+                    scheduled.draft_probs[seq] = proposal.probs[j, : len(drafts)]  # [len(drafts), V]
+
+    def count(self, scheduled: ScheduledStep, output: ModelOutput) -> None:
+        """Add one executed step's verifications to the counters."""
+        for seq in scheduled.draft_tokens:
+            self.counters["spec_verifications"] += 1
+            self.counters["spec_accepted_tokens"] += len(output.token_ids[seq]) - 1
+
+    def forget(self, seq: Sequence) -> None:
+        """A sequence finished, was aborted or lost its KV: no slots, no proposer state."""
+        if self.proposer is not None:
+            seq.num_lookahead = 0
+            self.proposer.forget(seq)
+
+
+def _grammar_prefix(matcher: Any, drafts: list[int]) -> list[int]:
+    """The longest prefix of ``drafts`` the grammar accepts; the matcher ends as it began."""
+    accepted = 0
+    for token in drafts:
+        if matcher.is_terminated() or not matcher.accept_token(token):
+            break
+        accepted += 1
+    matcher.rollback(accepted)
+    return drafts[:accepted]
+
+
+def verify_drafts(runner: ModelRunner, seqs: list[Sequence], drafts: list[list[int]],
+                  draft_probs: list[torch.Tensor | None],
+                  logits: torch.Tensor) -> tuple[list[list[int]], SamplerOutput]:
+    """Rejection-sample each sequence's drafts against the target. ``logits`` [R, V] hold, per
+    sequence, the rows of its last real token and of each draft; ``draft_probs[i]`` [k_i, V]
+    the distributions sequence i's drafts were drawn from (None: one-hot). Returns per
+    sequence the emitted tokens (accepted drafts and one more) and one output row per
+    emitted token, with the raw logprobs of the row it was drawn from."""
+    counts = [1 + len(d) for d in drafts]
+    K = max(counts) - 1
+    starts = [0, *itertools.accumulate(counts)][:-1]
+    dev = runner.device
+    # Each row's processed distribution, with its sequence's settings.
+    rep = runner.sampling_batch([s for s, c in zip(seqs, counts) for _ in range(c)])
+    if rep.allowed_token_bitmask is not None:
+        rep.allowed_token_bitmask = _draft_bitmask(seqs, drafts, starts, sum(counts), runner.vocab_size, dev)
+    probs = runner.sampler.probs(logits, rep)  # [R, V]
+    pos = torch.tensor([[st + min(j, c - 1) for j in range(K + 1)] for st, c in zip(starts, counts)],
+                       device=dev)  # [B, K+1] rows, the last repeated as padding
+    padded = torch.tensor([d + [0] * (K - len(d)) for d in drafts], device=dev)  # [B, K]
+    q = None
+    if any(p is not None for p in draft_probs):
+        q = torch.zeros(len(seqs), K, probs.shape[1], device=dev)  # [B, K, V]
+        for b, (d, p) in enumerate(zip(drafts, draft_probs)):
+            q[b, : len(d)] = p if p is not None else \
+                torch.nn.functional.one_hot(torch.tensor(d, device=dev), probs.shape[1])
+    batch = runner.sampling_batch(seqs)
+    verified = verify(probs[pos], padded, [c - 1 for c in counts], q, batch.temperature == 0, batch.generators)
+    # Per emitted token, the raw logprobs of the row it was drawn from.
+    emitted = [st + j for st, toks in zip(starts, verified.token_ids) for j in range(len(toks))]
+    out = SamplerOutput(token_ids=torch.tensor([t for toks in verified.token_ids for t in toks]))
+    if batch.max_num_logprobs >= 0:
+        raw = logits[emitted].float().log_softmax(dim=-1)  # [E, V]
+        out.logprobs = raw.gather(1, out.token_ids.unsqueeze(1).to(raw.device)).squeeze(1)
+        out.ranks = (raw > out.logprobs.unsqueeze(1)).sum(dim=-1) + 1
+        if batch.max_num_logprobs > 0:
+            out.top_logprobs, out.top_ids = raw.topk(min(batch.max_num_logprobs, raw.shape[-1]), dim=-1)
+    return verified.token_ids, out
+
+
+def _draft_bitmask(seqs: list[Sequence], drafts: list[list[int]], starts: list[int], num_rows: int,
+                   vocab_size: int, device: torch.device) -> torch.Tensor:
+    """Grammar masks for verification: the row of draft position j holds the grammar
+    state after the first j drafts (drafts were checked against it when proposed)."""
+    mask = torch.full((num_rows, (vocab_size + 31) // 32), -1, dtype=torch.int32)
+    for seq, tokens, start in zip(seqs, drafts, starts):
+        matcher = seq.grammar
+        if matcher is None:
+            continue
+        for j, token in enumerate([None, *tokens]):
+            if token is not None:
+                matcher.accept_token(token)
+            if not matcher.is_terminated():  # past the end every token is dropped anyway
+                matcher.fill_bitmask(mask, start + j)
+        matcher.rollback(len(tokens))
+    return mask.to(device, non_blocking=True)

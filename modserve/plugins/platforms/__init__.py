@@ -1,0 +1,11 @@
+"""Built-in platforms, registered like any plugin's: one per device type."""
+
+from modserve.core.hookspecs import hookimpl
+
+
+@hookimpl
+def register_platforms(register) -> None:
+    register("cpu", "modserve.plugins.platforms.cpu.platform:CpuPlatform",
+             description="CPUs: float32 compute, glibc heap tuning, 16-bit decode weights and packed GEMMs (C++)")
+    register("cuda", "modserve.plugins.platforms.cuda.platform:CudaPlatform",
+             description="NVIDIA GPUs: the checkpoint's dtype, free device memory, plain GEMMs")

@@ -1,0 +1,31 @@
+"""torch.compile for a model's regions: the mechanism; each platform decides when.
+
+The ~50 small ops of a layer (norms, RoPE, SiLU, residual adds) cost more in dispatch than
+in arithmetic. A model hands its layer to :func:`compiler` (``CausalLM.compile_regions``),
+so it becomes one inductor graph; attention inside it is an opaque custom op
+(:mod:`modserve.core.forward_context`), so the backend stays a plugin, called eagerly.
+
+``dynamic=True`` makes one graph for every batch size >= 2; dynamo specializes size 1
+by itself, which is the graph that takes a linear method's single-row branch.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from torch import nn
+
+
+def compiler(fn: Callable) -> Callable:
+    """How a platform compiles a model region: one graph for batch size 1, one for the rest."""
+    # A layer's index (an int attribute) must be a graph input, not a constant, or every
+    # layer would compile its own copy of the same graph.
+    torch._dynamo.config.allow_unspec_int_on_nn_module = True
+    return torch.compile(fn, dynamic=True, fullgraph=True)
+
+
+def compile_regions(model: nn.Module) -> bool:
+    """Ask the model to compile its regions; False when its architecture has none."""
+    compile_regions = getattr(model, "compile_regions", None)
+    return bool(compile_regions and compile_regions(compiler))

@@ -1,0 +1,92 @@
+"""The ``cpu`` platform: float32 compute, the glibc heap kept, and float weights in the
+layouts a CPU step reads fastest (:mod:`.linear`, :mod:`.prepack`)."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from pydantic import BaseModel
+
+from modserve.core.interfaces import CausalLM, FinishedModel, ModelLoad, Platform
+from modserve.core.linear import Unquantized, model_bytes
+from modserve.plugins.platforms.compile import compile_regions
+from modserve.plugins.platforms.cpu.host_memory import keep_freed_memory
+from modserve.plugins.platforms.cpu.linear import CpuLinear, add_decode_weights, decode_weight_dtype
+from modserve.plugins.platforms.cpu.prepack import add_packed_weights
+
+logger = logging.getLogger("modserve")
+
+# Below this many weight bytes the first compile (~10-20 s on two cores) costs more
+# than the per-step time it saves over a typical run; the test models are far below.
+AUTO_COMPILE_MIN_BYTES = 64 * 2**20
+
+
+class CpuPlatform(Platform):
+    def __init__(self, device: torch.device, options: BaseModel | None = None) -> None:
+        if device.type != "cpu":
+            raise ValueError(f"the cpu platform runs on device cpu, not {device}")
+        super().__init__(device, options)
+
+    def prepare_process(self) -> None:
+        keep_freed_memory()  # a step's activations reuse the last step's pages
+
+    def resolve_dtype(self, name: str, checkpoint: torch.dtype) -> torch.dtype:
+        if name != "auto":
+            return getattr(torch, name)
+        if checkpoint != torch.float32:
+            logger.info("dtype auto: float32 (checkpoint is %s; CPUs without native bf16/fp16 GEMMs run "
+                        "them many times slower than float32)", checkpoint)
+            return torch.float32
+        logger.info("dtype auto: %s (the checkpoint's)", checkpoint)
+        return checkpoint
+
+    def available_memory(self) -> int:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+        raise RuntimeError("cannot read available memory from /proc/meminfo; set kv_cache_memory_gb")
+
+    def linear_method(self) -> Unquantized:
+        return CpuLinear()
+
+    def finish_model(self, model: CausalLM, load: ModelLoad) -> FinishedModel:
+        compiled = self.compile_wanted(load.compile, model_bytes(model), load.quantized) and compile_regions(model)
+        decode_dtype = decode_weight_dtype(load.dtype_setting, load.dtype, load.checkpoint_dtype, compiled)
+        decode_bytes = add_decode_weights(model, decode_dtype) if decode_dtype is not None else None
+        packed_bytes = 0
+        if self.prepack_wanted(load.prepack_weights, load.dtype, model_bytes(model), load.quantized):
+            packed_bytes = add_packed_weights(model)
+        return FinishedModel(compiled, decode_bytes, packed_bytes)
+
+    def compile_wanted(self, setting: str, weight_bytes: int, quantized: bool) -> bool:
+        if setting != "auto":
+            return setting == "on"
+        if quantized:
+            logger.info("compile auto: off (quantized linears run eagerly; set compile: on to try them compiled)")
+            return False
+        if weight_bytes < AUTO_COMPILE_MIN_BYTES:
+            logger.info("compile auto: off (%.0f MiB of weights: compiling would take longer than it saves)",
+                        weight_bytes / 2**20)
+            return False
+        return True
+
+    def prepack_wanted(self, setting: str, dtype: torch.dtype, weight_bytes: int, quantized: bool) -> bool:
+        """Whether to pack; ``on`` where packing cannot work is an error, ``auto`` logs why not."""
+        problem = None
+        if dtype != torch.float32:
+            problem = f"packed GEMMs are float32; this model computes in {str(dtype).removeprefix('torch.')}"
+        elif quantized:
+            problem = "a quantizer owns the linears' weights"
+        elif not torch.backends.mkldnn.is_available():
+            problem = "this torch build has no oneDNN (mkldnn)"
+        if setting == "on" and problem:
+            raise ValueError(f"prepack_weights: on, but {problem}")
+        if setting != "auto":
+            return setting == "on"
+        if problem is None and weight_bytes < AUTO_COMPILE_MIN_BYTES:
+            problem = f"{weight_bytes / 2**20:.0f} MiB of weights, below the {AUTO_COMPILE_MIN_BYTES >> 20} MiB of auto"
+        if problem:
+            logger.info("prepack_weights auto: off (%s)", problem)
+        return problem is None

@@ -1,0 +1,68 @@
+"""Packed float32 weights for batched CPU GEMMs: panels for the C++ kernel, or oneDNN's.
+
+PyTorch's ``F.linear`` on a CPU calls MKL's sgemm, which repacks the weight on every
+call. For the row counts of batched decode that repacking is most of the work, so the
+weight is packed once at load (``mkldnn._reorder_linear_weight``) and oneDNN reads it.
+
+Where the C++ kernels build (:mod:`.kernels`), the packed copy is
+panels instead: ``[ceil(N / 16), K, 16]``, 16 output features per panel, read by
+``modserve_cpu::panel_linear`` (``csrc/bf16_linear.cpp``), which beats oneDNN's packed
+GEMM at every batched row count (docs/benchmarks.md, CPU performance, has the
+figures). Elsewhere it is oneDNN's opaque tensor.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import nn
+
+from modserve.core.linear import float_layers
+from modserve.plugins.platforms.cpu.kernels import bf16_linear_ready
+
+logger = logging.getLogger("modserve")
+
+PANEL = 16  # output features per panel (two 8-float vectors)
+
+
+def to_panels(weight: torch.Tensor) -> torch.Tensor:
+    """``[N, K]`` -> ``[ceil(N / 16), K, 16]``: panel ``p`` row ``k`` holds ``W[16p:16p+16, k]``
+    (zero rows pad the last panel)."""
+    n, k = weight.shape
+    padded = torch.zeros(-(-n // PANEL) * PANEL, k, dtype=torch.float32)
+    padded[:n] = weight
+    return padded.view(-1, PANEL, k).transpose(1, 2).contiguous()
+
+
+def add_packed_weights(model: nn.Module) -> int:
+    """Give every :func:`~modserve.core.linear.float_layers` layer (linears, the LM head) a
+    ``packed_weight`` attribute, panels where the C++ kernel is built, else oneDNN's
+    layout (logged); returns the bytes the packed copies take."""
+    panels = bf16_linear_ready()
+    logger.info("prepack_weights: %s", "float32 panels for the C++ GEMM" if panels else
+                "oneDNN's layout (the C++ kernel is not built here)")
+    total = 0
+    for module in float_layers(model):
+        weight = module.weight.detach()
+        # A plain attribute, not a buffer: state_dict, .to() and model_bytes know nothing of
+        # the packed layouts.
+        module.packed_weight = to_panels(weight) if panels else torch.ops.mkldnn._reorder_linear_weight(weight, None)
+        total += (module.packed_weight.numel() if panels else weight.numel()) * 4
+    return total
+
+
+@torch.library.custom_op("modserve::packed_linear", mutates_args=())
+def packed_linear(x: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Tensor | None,
+                  out_features: int) -> torch.Tensor:
+    """``x @ W.T + b`` with ``W`` ([out_features, K]) packed by :func:`add_packed_weights`. An
+    opaque op inside compiled regions: inductor lowers oneDNN linears only for weights it
+    froze itself, and knows nothing of panels."""
+    if packed_weight.is_mkldnn:
+        return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed_weight, bias, "none", [], "")
+    return torch.ops.modserve_cpu.panel_linear(x, packed_weight, out_features, bias)
+
+
+@packed_linear.register_fake
+def _(x: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
+    return x.new_empty(x.shape[0], out_features)

@@ -1,0 +1,1 @@
+"""The ``cuda`` platform: NVIDIA GPUs through torch's CUDA device."""
