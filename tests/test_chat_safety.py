@@ -1,4 +1,4 @@
-"""Tokenizer.encode_chat: message content can't forge the chat template's control tokens."""
+"""ChatTokenizer.encode_chat: message content can't forge the chat template's control tokens."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from modserve.core.tokenizer import _MARK, Tokenizer
+from modserve.server.chat_tokenizer import _MARK, ChatTokenizer as Tokenizer
 from modserve.testing import CHATML_TEMPLATE, SPECIAL_TOKENS, cached_checkpoint
 
 ARCHS = ("llama", "qwen2")  # both ChatML: <|im_start|> = 1, <|im_end|> = 2

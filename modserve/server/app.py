@@ -16,7 +16,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 import modserve
 from modserve.core.engine import LLMEngine
-from modserve.core.tokenizer import Tokenizer
+from modserve.server.chat_tokenizer import ChatTokenizer
 from modserve.server.async_engine import AsyncEngine
 from modserve.server.chat import chat_prompt, create_chat_completion
 from modserve.server.completions import create_completion
@@ -43,7 +43,7 @@ def create_app(engine: LLMEngine, api_key: str | None = None) -> FastAPI:
     tokenizer_path = config.tokenizer or config.model
     state = ServerState(
         engine=async_engine,
-        tokenizer=Tokenizer(tokenizer_path, config.model),
+        tokenizer=ChatTokenizer(tokenizer_path, config.model),
         pool=TokenizerPool(tokenizer_path, config.model),
         model_name=config.served_model_name or config.model,
         max_model_len=engine.max_model_len,

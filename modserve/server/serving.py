@@ -13,7 +13,7 @@ from pydantic import BaseModel
 
 from modserve.core.outputs import CompletionOutput, RequestOutput
 from modserve.core.sampling_params import SamplingParams
-from modserve.core.tokenizer import Tokenizer
+from modserve.server.chat_tokenizer import ChatTokenizer
 from modserve.core.grammar import timeout_message
 from modserve.server.async_engine import AsyncEngine, EngineDead, EngineError, RequestStream, ShuttingDown
 from modserve.server.errors import APIError, invalid
@@ -44,7 +44,7 @@ class ServerState:
     engine: AsyncEngine
     # NOTE: the server's own tokenizer, used on the event-loop thread only and for short
     # work (one token's text); prompts are tokenized on the pool's threads.
-    tokenizer: Tokenizer
+    tokenizer: ChatTokenizer
     pool: TokenizerPool
     model_name: str
     max_model_len: int

@@ -13,7 +13,7 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, TypeVar
 
-from modserve.core.tokenizer import Tokenizer
+from modserve.server.chat_tokenizer import ChatTokenizer
 
 T = TypeVar("T")
 
@@ -24,13 +24,13 @@ class TokenizerPool:
         self._pool = ThreadPoolExecutor(num_workers, thread_name_prefix="modserve-tokenize")
         self._local = threading.local()
 
-    def _tokenizer(self) -> Tokenizer:
+    def _tokenizer(self) -> ChatTokenizer:
         tok = getattr(self._local, "tokenizer", None)
         if tok is None:
-            tok = self._local.tokenizer = Tokenizer(self.path, self.model_dir)
+            tok = self._local.tokenizer = ChatTokenizer(self.path, self.model_dir)
         return tok
 
-    async def run(self, fn: Callable[[Tokenizer], T]) -> T:
+    async def run(self, fn: Callable[[ChatTokenizer], T]) -> T:
         """``fn(tokenizer)`` on a worker thread, awaited from the loop."""
         return await asyncio.get_running_loop().run_in_executor(self._pool, lambda: fn(self._tokenizer()))
 
