@@ -7,6 +7,10 @@ try:
 except PackageNotFoundError:  # running from a source tree
     __version__ = "0.0.0"
 
+from modserve import moved as _moved
+
+_moved.install()  # old module paths keep importing, with a DeprecationWarning
+
 __all__ = ["LLM", "SamplingParams", "StructuredOutputs", "EngineConfig", "__version__"]
 
 

@@ -1,5 +1,5 @@
-"""The layers hold: the core imports no implementation, and the built-in plugins use
-only what the core offers every plugin (its public modules), as a third party must.
+"""The layers hold: the core imports no implementation, and the built-in plugins import
+only the plugin API (:mod:`modserve.api`) and their own kind's folder, as a third party must.
 
 Read from the source (every import statement, at any depth), so a lazy import
 inside a function counts too.
@@ -14,20 +14,6 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent / "modserve"
 IMPLEMENTATION_PACKAGES = ("plugins", "attention_backends", "quantizers", "samplers")
-# The core modules a plugin may import: the contracts and the data they pass around.
-# Everything else under modserve.core (engine, runner, scheduler mechanism, batch
-# building, loader, registry internals) is the core's own and may change any day.
-PLUGIN_API = {
-    "modserve.core.hookspecs",  # hookimpl, Register
-    "modserve.core.interfaces",  # the ABCs and the dataclasses they exchange
-    "modserve.core.sequence",  # what schedulers, allocators and proposers read
-    "modserve.core.sampling_params",
-    "modserve.core.structured_outputs",  # a grammar backend's spec
-    "modserve.core.forward_context",  # a model's attention call
-    "modserve.core.linear",  # the linear factory models build with and quantizers extend
-    "modserve.core.speculative",  # sample_rows: one sampling primitive for samplers and drafts
-    "modserve.core.spec_decode",
-}
 
 
 def _imports(path: Path, package: str) -> list[tuple[int, str]]:
@@ -62,9 +48,17 @@ def _is_deprecated_shim(path: Path) -> bool:
     return "DeprecationWarning" in path.read_text()
 
 
+def _own_folder(package: str) -> str:
+    """The kind folder a built-in module belongs to: ``modserve.plugins.grammars`` for the
+    grammar backends, ``modserve.quantizers`` for the quantizers."""
+    parts = package.split(".")
+    return ".".join(parts[:3] if parts[1] == "plugins" else parts[:2])
+
+
 def _past_the_api(path: Path, package: str) -> list[str]:
+    own = _own_folder(package)
     return [f"{path.name}:{line} imports {m}" for line, m in _imports(path, package)
-            if m.startswith("modserve.core") and m not in PLUGIN_API]
+            if not (m == "modserve.api" or m.startswith("modserve.api.") or m == own or m.startswith(own + "."))]
 
 
 def test_core_imports_no_implementation():
@@ -78,15 +72,62 @@ def test_core_imports_no_implementation():
 @pytest.mark.parametrize("package", IMPLEMENTATION_PACKAGES)
 def test_builtin_plugins_use_only_the_plugin_api(package):
     bad = [v for p in _modules(package) for v in _past_the_api(p, _package_of(p))]
-    assert not bad, ("a built-in plugin reaches into the core past the plugin API "
-                     f"({', '.join(sorted(PLUGIN_API))}):\n" + "\n".join(bad))
+    assert not bad, ("a built-in plugin imports past the plugin API (modserve.api) and its own "
+                     "kind's folder:\n" + "\n".join(bad))
+
+
+def test_the_plugin_api_imports_only_the_core():
+    bad = [f"{p.name}:{line} imports {m}" for p in _modules("api") for line, m in _imports(p, _package_of(p))
+           if not (m.startswith("modserve.core") or m.startswith("modserve.api"))]
+    assert not bad, "modserve.api re-exports the core; it never imports an implementation:\n" + "\n".join(bad)
+
+
+def test_the_core_never_imports_the_api_facade():
+    bad = [f"{p.name}:{line}" for p in _modules("core") for line, m in _imports(p, _package_of(p))
+           if m == "modserve.api" or m.startswith("modserve.api.")]
+    assert not bad, f"the core must not import modserve.api (it re-exports the core): {bad}"
 
 
 def test_the_check_sees_a_planted_lazy_and_relative_import(tmp_path):
     planted = tmp_path / "plugin.py"
-    planted.write_text("from modserve.core import interfaces  # the API: allowed\n"
+    planted.write_text("from modserve.api import Scheduler  # the API: allowed\n"
+                       "from modserve.plugins.fake.helpers import x  # its own folder: allowed\n"
                        "def f():\n    from modserve.core.model_runner import ModelRunner\n"
-                       "from ...core.engine import LLMEngine\n")
+                       "from ...core.interfaces import Scheduler\n"
+                       "from modserve.plugins.schedulers.fcfs import FCFS\n")
     assert _past_the_api(planted, "modserve.plugins.fake") == [
-        "plugin.py:3 imports modserve.core.model_runner",
-        "plugin.py:4 imports modserve.core.engine"]
+        "plugin.py:4 imports modserve.core.model_runner",
+        "plugin.py:5 imports modserve.core.interfaces",
+        "plugin.py:6 imports modserve.plugins.schedulers.fcfs"]
+
+
+CORE_CODE_BUDGET = 3000  # lines of code in modserve/core: small enough to read in an afternoon
+
+
+def _code_lines(source: str) -> int:
+    """Lines holding code: not blank, not only a comment, not part of a docstring."""
+    docstrings: set[int] = set()
+    for node in ast.walk(ast.parse(source)):
+        body = getattr(node, "body", None)
+        if (isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and body
+                and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant)
+                and isinstance(body[0].value.value, str)):
+            docstrings.update(range(body[0].lineno, body[0].end_lineno + 1))
+    return sum(1 for n, line in enumerate(source.splitlines(), 1)
+               if line.strip() and not line.lstrip().startswith("#") and n not in docstrings)
+
+
+def test_the_core_stays_small_and_pure_python():
+    core = ROOT / "core"
+    foreign = [p.relative_to(ROOT.parent) for p in core.rglob("*")
+               if p.is_file() and p.suffix in {".c", ".cc", ".cpp", ".h", ".hpp", ".cu"}]
+    assert not foreign, f"the core holds no C/C++ (it belongs to a platform): {foreign}"
+    lines = sum(_code_lines(p.read_text()) for p in _modules("core"))
+    assert lines <= CORE_CODE_BUDGET, (f"modserve/core has {lines} lines of code, over its budget of "
+                                       f"{CORE_CODE_BUDGET}: move what is not core to a plugin or the server")
+
+
+def test_code_lines_skip_docstrings_comments_and_blanks():
+    source = ('"""Module doc\nover two lines."""\n\n# a comment\nx = 1  # code\n\n'
+              'def f():\n    """Doc."""\n    return """not a docstring"""\n')
+    assert _code_lines(source) == 3  # x = 1, def f, return

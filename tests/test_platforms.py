@@ -128,7 +128,9 @@ def test_cuda_rules_hold_without_a_gpu(caplog):
     ("modserve.core.prepack", "modserve.plugins.platforms.cpu.prepack", "packed_linear"),
     ("modserve.core.cpu_kernels", "modserve.plugins.platforms.cpu.kernels", "load_kernel"),
     ("modserve.core.host_memory", "modserve.plugins.platforms.cpu.host_memory", "keep_freed_memory"),
-    ("modserve.core.fp8", "modserve.quantizers.e4m3", "fp8_to_float"),
+    ("modserve.core.fp8", "modserve.api.fp8", "fp8_to_float"),
+    ("modserve.quantizers.e4m3", "modserve.api.fp8", "to_fp8"),
+    ("modserve.plugins.schedulers.base", "modserve.api", "advance_running"),
 ])
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")  # a shim's package warns too
 def test_old_paths_stay_importable_and_warn(monkeypatch, old, new, name):

@@ -1,4 +1,4 @@
-"""float8 e4m3 (``torch.float8_e4m3fn``) with scales: for fp8 weights (:mod:`.fp8`) and the
+"""float8 e4m3 (``torch.float8_e4m3fn``) with scales: for fp8 weights (the ``fp8`` quantizer) and the
 fp8 KV cache (the attention backends).
 
     x ≈ fp8(x / scale) * scale,   |x / scale| saturated at 448 (e4m3's largest finite value)

@@ -1,4 +1,9 @@
-"""What the built-in policies share: advancing running sequences, preempting when short."""
+"""Budget helpers for scheduling policies: advance running sequences, admit waiting ones,
+preempt from the end of an order when blocks run short.
+
+The built-in ``fcfs``, ``static`` and ``priority`` policies are these helpers plus an order;
+a third-party policy reuses them the same way (see docs/writing-a-plugin.md).
+"""
 
 from __future__ import annotations
 
@@ -77,5 +82,6 @@ def admit(view: SchedulerView, candidates: Iterable[Sequence], out: Schedule, bu
 
 
 def start_budget(view: SchedulerView) -> Budget:
+    """This step's budget: the token limit, the free blocks, and the free sequence slots."""
     limits = view.limits
     return Budget(limits.max_num_batched_tokens, view.free_blocks(), limits.max_num_seqs - len(view.running))

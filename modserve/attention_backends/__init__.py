@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from modserve.core.hookspecs import hookimpl
+from modserve.api import hookimpl
 
 
 @hookimpl

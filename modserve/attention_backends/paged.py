@@ -10,8 +10,8 @@ swaps require.)
 A step's batch splits into two groups:
 
 - decodes (one new token each): on a CPU in float32, one call of a C++ kernel
-  (``csrc/paged_decode.cpp``, built on first use by the CPU platform's
-  :mod:`~modserve.plugins.platforms.cpu.kernels`) that reads each sequence's blocks in
+  (``csrc/paged_decode.cpp``, built on first use by :func:`modserve.api.load_kernel`)
+  that reads each sequence's blocks in
   place, one task per (sequence, KV head). Elsewhere, or
   where the kernel cannot be built, they are sorted by length into groups of up to 16,
   run as one batched computation per group: their KV is gathered into ``[Bd, Hkv, L, D]``
@@ -52,9 +52,9 @@ import torch
 import torch.nn.functional as F
 from pydantic import BaseModel, Field
 
-from modserve.plugins.platforms.cpu.kernels import load_kernel
-from modserve.quantizers.e4m3 import FP8, fp8_to_float, to_fp8
-from modserve.core.interfaces import AttentionBackend, AttentionMetadata, AttentionSpec
+from modserve.api.cpp import load_kernel
+from modserve.api.fp8 import FP8, fp8_to_float, to_fp8
+from modserve.api import AttentionBackend, AttentionMetadata, AttentionSpec
 
 
 class PagedOptions(BaseModel):

@@ -13,8 +13,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from modserve.quantizers.e4m3 import FP8, to_fp8
-from modserve.core.interfaces import AttentionBackend, AttentionMetadata
+from modserve.api import AttentionBackend, AttentionMetadata, read_kv, slots, write_kv
+from modserve.api.fp8 import FP8
 
 
 class ReferenceAttention(AttentionBackend):
@@ -35,15 +35,8 @@ class ReferenceAttention(AttentionBackend):
         state: Any,
     ) -> torch.Tensor:  # [T, H, D]
         s = self.spec
-        bs, hkv, d = s.block_size, s.num_kv_heads, s.head_dim
         group = s.num_heads // s.num_kv_heads
-        key_cache = kv_cache[0].view(-1, hkv, d)  # [slots, Hkv, D]
-        value_cache = kv_cache[1].view(-1, hkv, d)  # [slots, Hkv, D]
-
-        # 1. Store this step's keys/values at their slots.
-        fp8 = s.kv_cache_dtype == FP8
-        key_cache[meta.slot_mapping] = to_fp8(k, s.k_scale) if fp8 else k
-        value_cache[meta.slot_mapping] = to_fp8(v, s.v_scale) if fp8 else v
+        write_kv(kv_cache, k, v, meta, s)  # 1. this step's keys/values at their slots
 
         out = torch.empty_like(q)  # [T, H, D]
         start = 0
@@ -56,12 +49,9 @@ class ReferenceAttention(AttentionBackend):
 
             # 2. Gather the sequence's keys/values at positions 0..seq_len-1.
             pos = torch.arange(seq_len, device=q.device)  # [L]
-            slots = meta.block_tables[i][pos // bs] * bs + pos % bs  # [L]
-            keys = key_cache[slots].repeat_interleave(group, dim=1)  # [L, H, D]
-            values = value_cache[slots].repeat_interleave(group, dim=1)  # [L, H, D]
-            if fp8:
-                keys = (keys.float() * s.k_scale).to(q.dtype)
-                values = (values.float() * s.v_scale).to(q.dtype)
+            keys, values = read_kv(kv_cache, slots(meta.block_tables[i], pos, s.block_size), s)  # [L, Hkv, D]
+            keys = keys.to(q.dtype).repeat_interleave(group, dim=1)  # [L, H, D]
+            values = values.to(q.dtype).repeat_interleave(group, dim=1)  # [L, H, D]
 
             # 3. Query row r sits at position context_len + r and sees keys j <= that.
             q_pos = context_len + torch.arange(query_len, device=q.device)  # [Lq]

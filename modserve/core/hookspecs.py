@@ -28,6 +28,13 @@ from pydantic import BaseModel
 hookspec = pluggy.HookspecMarker("modserve")
 hookimpl = pluggy.HookimplMarker("modserve")
 
+# The plugin API's version (:mod:`modserve.api`): "major.minor". A minor release only adds;
+# a major one may remove what the minor releases before it deprecated. A plugin declares the
+# version it was written for as ``MODSERVE_PLUGIN_API = "1.0"`` on its entry-point object;
+# the registry loads it when the major matches and its minor is not newer than ours.
+PLUGIN_API_VERSION = "1.0"
+
+
 class Register(Protocol):
     """The ``register`` callback every hook receives (see the module docstring)."""
 

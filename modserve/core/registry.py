@@ -105,7 +105,8 @@ class Registry:
     """All implementations known to this process, per kind and name."""
 
     pm: pluggy.PluginManager = field(default_factory=lambda: pluggy.PluginManager(GROUP))
-    failures: list[LoadFailure] = field(default_factory=list)
+    import_failures: list[LoadFailure] = field(default_factory=list)
+    _hook_failures: list[LoadFailure] = field(default_factory=list)  # found by the last _collect
     _by_kind: dict[str, dict[str, Registration]] | None = None
     _dists: dict[str, tuple[str, str]] = field(default_factory=dict)  # plugin name -> (dist, version)
 
@@ -132,20 +133,18 @@ class Registry:
                     continue
                 try:
                     module = ep.load()
+                    self.add_plugin(module, plugin_name, distribution=dist_name, version=dist.version)
                 except Exception as e:
-                    failure = LoadFailure(plugin_name, dist_name, dist.version, f"{type(e).__name__}: {e}")
-                    self.failures.append(failure)
-                    logger.warning(
-                        "plugin %s from %s %s failed to import: %s",
-                        ep.name, dist_name, dist.version, failure.error,
-                    )
-                    continue
-                self.add_plugin(module, plugin_name, distribution=dist_name, version=dist.version)
+                    error = str(e) if isinstance(e, PluginError) else f"{type(e).__name__}: {e}"
+                    self.import_failures.append(LoadFailure(plugin_name, dist_name, dist.version, error))
+                    logger.warning("plugin %s from %s %s failed to load: %s", ep.name, dist_name, dist.version, error)
 
     def add_plugin(
         self, plugin: object, name: str, *, distribution: str = "<local>", version: str = "0"
     ) -> None:
-        """Register a plugin object (a module or any object with hookimpls)."""
+        """Register a plugin object (a module or any object with hookimpls). One that declares
+        a plugin API version (``MODSERVE_PLUGIN_API``) this modserve does not provide is refused."""
+        check_api_version(getattr(plugin, "MODSERVE_PLUGIN_API", None), name, distribution, version)
         self.pm.register(plugin, name=name)
         self.pm.check_pending()  # a misspelled hook name fails here, not silently
         self._dists[name] = (distribution, version)
@@ -155,6 +154,12 @@ class Registry:
         self.pm.unregister(name=name)
         self._dists.pop(name, None)
         self._by_kind = None
+
+    @property
+    def failures(self) -> list[LoadFailure]:
+        """Plugins that failed to import, or whose ``register_*`` hook raised."""
+        self.registrations()
+        return self.import_failures + self._hook_failures
 
     @contextlib.contextmanager
     def plugin(self, plugin: object, name: str, **kw: str) -> Iterator[None]:
@@ -173,11 +178,16 @@ class Registry:
 
     def _collect(self) -> dict[str, dict[str, Registration]]:
         by_kind: dict[str, dict[str, Registration]] = {k: {} for k in hookspecs.KIND_HOOKS}
+        self._hook_failures = []
+        broken: set[str] = set()  # plugins whose hook raised: none of their names count
         for kind, hook_name in hookspecs.KIND_HOOKS.items():
             hook = getattr(self.pm.hook, hook_name)
             # Call each implementation on its own so every name is attributed to its plugin.
             for impl in hook.get_hookimpls():
+                if impl.plugin_name in broken:
+                    continue
                 dist, version = self._dists.get(impl.plugin_name, ("<local>", "0"))
+                mine: dict[str, Registration] = {}
 
                 def register(
                     name: str,
@@ -193,22 +203,27 @@ class Registry:
                 ) -> None:
                     new = Registration(_kind, name, target, options, description, _plugin, _dist, _version,
                                        dict(priority or {}))
-                    old = by_kind[_kind].get(name)
+                    old = by_kind[_kind].get(name) or mine.get(name)
                     if old is not None:
                         raise PluginError(
                             f"{_kind} {name!r} is registered twice: by {old.origin} and by {new.origin}"
                         )
-                    by_kind[_kind][name] = new
+                    mine[name] = new
 
                 try:
                     impl.function(register=register)
                 except PluginError:
                     raise
-                except Exception as e:
-                    raise PluginError(
-                        f"plugin {impl.plugin_name!r} from {dist} {version} failed in {hook_name}: "
-                        f"{type(e).__name__}: {e}"
-                    ) from e
+                except Exception as e:  # recorded like a failed import: the other plugins still work
+                    error = f"{hook_name} raised {type(e).__name__}: {e}"
+                    self._hook_failures.append(LoadFailure(impl.plugin_name, dist, version, error))
+                    logger.warning("plugin %s from %s %s failed to load: %s", impl.plugin_name, dist, version, error)
+                    broken.add(impl.plugin_name)
+                    continue
+                by_kind[kind].update(mine)
+        for regs in by_kind.values():  # what a broken plugin registered under an earlier kind goes too
+            for name in [n for n, r in regs.items() if r.plugin in broken]:
+                del regs[name]
         return by_kind
 
     def names(self, kind: str) -> list[str]:
@@ -221,7 +236,7 @@ class Registry:
             available = ", ".join(self.names(kind)) or "none"
             msg = f"unknown {kind} {name!r}; available: {available}"
             if self.failures:
-                msg += "; plugins that failed to import: " + "; ".join(
+                msg += "; plugins that failed to load: " + "; ".join(
                     f"{f.distribution} {f.version}: {f.error}" for f in self.failures
                 )
             raise ValueError(msg)
@@ -261,6 +276,23 @@ class Registry:
                 f.distribution, {"distribution": f.distribution, "version": f.version, "plugins": [], "registered": {}}
             ).setdefault("errors", []).append(f.error)
         return sorted(dists.values(), key=lambda d: d["distribution"])
+
+
+def check_api_version(declared: object, plugin: str, distribution: str, version: str) -> None:
+    """Refuse a plugin written for a plugin API this modserve does not provide: another major
+    version, or a newer minor one (it may use what this one lacks). None: undeclared, accepted."""
+    if declared is None:
+        return
+    major, minor = (int(p) for p in hookspecs.PLUGIN_API_VERSION.split("."))
+    try:
+        want_major, want_minor = (int(p) for p in str(declared).split("."))
+    except ValueError:
+        raise PluginError(f"plugin {plugin!r} from {distribution} {version} declares MODSERVE_PLUGIN_API="
+                          f"{declared!r}; expected \"major.minor\", e.g. \"{hookspecs.PLUGIN_API_VERSION}\"") from None
+    if want_major != major or want_minor > minor:
+        raise PluginError(f"plugin {plugin!r} from {distribution} {version} was written for plugin API {declared}; "
+                          f"this modserve provides {hookspecs.PLUGIN_API_VERSION} and loads plugins written for "
+                          f"{major}.0 to {major}.{minor}: install a version of it made for this modserve")
 
 
 def _check_kind(kind: str) -> str:

@@ -23,6 +23,7 @@ import torch
 
 from modserve.core.interfaces import Proposer, ProposerContext, SamplerOutput
 from modserve.core.sequence import Sequence
+from modserve.core.sampling import add_logprobs
 from modserve.core.speculative import verify
 
 if TYPE_CHECKING:
@@ -155,11 +156,7 @@ def verify_drafts(runner: ModelRunner, seqs: list[Sequence], drafts: list[list[i
     emitted = [st + j for st, toks in zip(starts, verified.token_ids) for j in range(len(toks))]
     out = SamplerOutput(token_ids=torch.tensor([t for toks in verified.token_ids for t in toks]))
     if batch.max_num_logprobs >= 0:
-        raw = logits[emitted].float().log_softmax(dim=-1)  # [E, V]
-        out.logprobs = raw.gather(1, out.token_ids.unsqueeze(1).to(raw.device)).squeeze(1)
-        out.ranks = (raw > out.logprobs.unsqueeze(1)).sum(dim=-1) + 1
-        if batch.max_num_logprobs > 0:
-            out.top_logprobs, out.top_ids = raw.topk(min(batch.max_num_logprobs, raw.shape[-1]), dim=-1)
+        add_logprobs(out, logits[emitted].float().log_softmax(dim=-1), batch.max_num_logprobs)  # [E, V]
     return verified.token_ids, out
 
 

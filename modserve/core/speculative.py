@@ -16,23 +16,13 @@ from dataclasses import dataclass
 
 import torch
 
+from modserve.core.sampling import sample_rows
+
 
 @dataclass(slots=True)
 class Verified:
     num_accepted: list[int]  # per sequence, how many draft tokens were accepted
     token_ids: list[list[int]]  # per sequence, the emitted tokens: accepted drafts + one more
-
-
-def sample_rows(probs: torch.Tensor, generators: dict[int, torch.Generator]) -> torch.Tensor:
-    """One token per row of ``probs`` [B, V]: argmax(probs / q), q ~ Exp(1), a draw from probs.
-    Seeded rows take q only from their own generator, so they do not depend on the batch."""
-    B, V = probs.shape
-    q = torch.empty_like(probs).exponential_()  # [B, V]
-    for row, gen in generators.items():
-        q[row] = torch.empty(V, dtype=probs.dtype, device=probs.device).exponential_(generator=gen)
-    # exponential_ may return exactly 0; 0/0 = NaN would win argmax, so floor it.
-    q.clamp_(min=torch.finfo(q.dtype).tiny)
-    return (probs / q).argmax(dim=-1)  # [B]
 
 
 def uniform_rows(shape: tuple[int, int], generators: dict[int, torch.Generator], device: torch.device) -> torch.Tensor:

@@ -6,7 +6,7 @@ under that name; ``quantization:`` in the engine config selects one explicitly.
 
 from __future__ import annotations
 
-from modserve.core.hookspecs import Register, hookimpl
+from modserve.api import Register, hookimpl
 
 
 @hookimpl

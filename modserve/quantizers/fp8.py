@@ -19,9 +19,8 @@ import torch.nn.functional as F
 from pydantic import BaseModel, ConfigDict
 from torch import nn
 
-from modserve.quantizers.e4m3 import FP8, FP8_MAX, fp8_to_float, to_fp8
-from modserve.core.interfaces import LinearSpec, Quantizer
-from modserve.core.linear import check_name, load_shard, param
+from modserve.api.fp8 import FP8, FP8_MAX, fp8_to_float, to_fp8
+from modserve.api import LinearSpec, Quantizer, check_name, load_shard, param
 from modserve.quantizers.packing import Workspace
 
 

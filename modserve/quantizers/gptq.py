@@ -28,11 +28,9 @@ import torch
 from pydantic import BaseModel, ConfigDict
 from torch import nn
 
-from modserve.core.interfaces import LinearSpec, Quantizer
-from modserve.core.linear import check_name, load_shard, param
-from modserve.quantizers.int8 import avx512
+from modserve.api import LinearSpec, Quantizer, check_name, load_shard, param
 from modserve.quantizers.packing import (
-    INT4PACK_GROUP_SIZES, Workspace, from_int4pack, int4pack_mm, to_int4pack, unpack_cols, unpack_rows,
+    INT4PACK_GROUP_SIZES, Workspace, avx512, from_int4pack, int4pack_mm, to_int4pack, unpack_cols, unpack_rows,
 )
 
 TENSORS = ("qweight", "qzeros", "scales")

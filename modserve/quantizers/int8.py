@@ -16,9 +16,8 @@ import torch.nn.functional as F
 from pydantic import BaseModel, ConfigDict
 from torch import nn
 
-from modserve.core.interfaces import LinearSpec, Quantizer
-from modserve.core.linear import check_name, load_shard, param
-from modserve.quantizers.packing import Workspace
+from modserve.api import LinearSpec, Quantizer, check_name, load_shard, param
+from modserve.quantizers.packing import Workspace, avx512
 
 
 class Int8Options(BaseModel):
@@ -35,10 +34,6 @@ def quantize_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     scale = torch.where(scale == 0, torch.ones_like(scale), scale)  # an all-zero row stays zero
     q = torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8)
     return q, scale
-
-
-def avx512() -> bool:
-    return torch.backends.cpu.get_cpu_capability().startswith("AVX512")
 
 
 class Int8(Quantizer):

@@ -6,7 +6,7 @@ the sampler is selected.
 
 from __future__ import annotations
 
-from modserve.core.hookspecs import Register, hookimpl
+from modserve.api import Register, hookimpl
 
 
 @hookimpl

@@ -8,8 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from modserve.core.interfaces import Sampler, SamplerOutput, SamplingBatch
-from modserve.core.speculative import sample_rows  # the exponential race, shared with verification
+from modserve.api import Sampler, SamplerOutput, SamplingBatch, add_logprobs, sample_rows
 
 _NEG_INF = float("-inf")
 
@@ -97,11 +96,7 @@ class DefaultSampler(Sampler):
 
         out = SamplerOutput(token_ids=token_ids)
         if raw_logprobs is not None:
-            out.logprobs = raw_logprobs.gather(1, token_ids.unsqueeze(1)).squeeze(1)  # [B]
-            out.ranks = (raw_logprobs > out.logprobs.unsqueeze(1)).sum(dim=-1) + 1  # [B]
-            k = min(batch.max_num_logprobs, raw_logprobs.shape[-1])
-            if k > 0:
-                out.top_logprobs, out.top_ids = raw_logprobs.topk(k, dim=-1)  # [B, K] each, sorted
+            add_logprobs(out, raw_logprobs, batch.max_num_logprobs)
         return out
 
     def probs(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:

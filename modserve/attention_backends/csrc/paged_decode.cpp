@@ -25,7 +25,7 @@
 #include <limits>
 #include <vector>
 
-#include "claims.h"  // parallel_claims: the CPU platform's csrc/, on every kernel's include path
+#include "claims.h"  // parallel_claims: modserve/api/csrc/, on every kernel's include path
 
 namespace {
 

@@ -7,7 +7,7 @@ Registration imports neither library; each is imported when a backend is first u
 
 from __future__ import annotations
 
-from modserve.core.hookspecs import Register, hookimpl
+from modserve.api import Register, hookimpl
 
 
 # What ``auto`` tries first, per constraint kind. NOTE: regular languages go to

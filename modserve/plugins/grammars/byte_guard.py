@@ -23,7 +23,7 @@ import re
 import numpy as np
 import torch
 
-from modserve.core.interfaces import GrammarVocab
+from modserve.api import GrammarVocab
 from modserve.plugins.grammars.bits import pack
 
 _SURROGATE = re.compile(rb"\xed[\xa0-\xbf]")

@@ -14,8 +14,7 @@ from typing import Any
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
-from modserve.core.interfaces import GrammarBackend, GrammarMatcher, GrammarVocab
-from modserve.core.structured_outputs import GrammarSpec
+from modserve.api import GrammarBackend, GrammarMatcher, GrammarSpec, GrammarVocab
 from modserve.plugins.grammars.bits import set_bit
 from modserve.plugins.grammars.dialect import ascii_classes
 from modserve.plugins.grammars.schema_gate import unenforced

@@ -10,8 +10,7 @@ from typing import Any
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
-from modserve.core.interfaces import GrammarBackend, GrammarMatcher, GrammarVocab
-from modserve.core.structured_outputs import GrammarSpec
+from modserve.api import GrammarBackend, GrammarMatcher, GrammarSpec, GrammarVocab
 from modserve.plugins.grammars.byte_guard import ByteGuard
 from modserve.plugins.grammars.dialect import dot_excludes_newline, fill_empty_alternatives
 from modserve.plugins.grammars.schema_gate import unenforced

@@ -6,8 +6,7 @@ from collections import deque
 
 from pydantic import BaseModel
 
-from modserve.core.interfaces import KVAllocator
-from modserve.core.sequence import Sequence
+from modserve.api import KVAllocator, Sequence
 
 
 class ContiguousAllocator(KVAllocator):

@@ -8,8 +8,7 @@ from collections import OrderedDict, deque
 
 from pydantic import BaseModel, ConfigDict
 
-from modserve.core.interfaces import KVAllocator
-from modserve.core.sequence import Sequence
+from modserve.api import KVAllocator, Sequence
 
 
 class PagedOptions(BaseModel):

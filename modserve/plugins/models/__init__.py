@@ -1,6 +1,6 @@
 """Built-in model architectures, registered like any plugin's."""
 
-from modserve.core.hookspecs import hookimpl
+from modserve.api import hookimpl
 
 _LLAMA = "modserve.plugins.models.llama:LlamaForCausalLM"
 

@@ -17,9 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from modserve.core.forward_context import attention, forward_context
-from modserve.core.interfaces import AttentionBackend, CausalLM
-from modserve.core.linear import Linear, LinearFactory, linear_factory
+from modserve.api import (
+    AttentionBackend, CausalLM, Linear, LinearFactory, attention, forward_context, linear_factory)
 
 
 class RMSNorm(nn.Module):

@@ -1,6 +1,6 @@
 """Built-in platforms, registered like any plugin's: one per device type."""
 
-from modserve.core.hookspecs import hookimpl
+from modserve.api import hookimpl
 
 
 @hookimpl

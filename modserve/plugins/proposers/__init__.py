@@ -1,4 +1,4 @@
-from modserve.core.hookspecs import hookimpl
+from modserve.api import hookimpl
 
 
 @hookimpl

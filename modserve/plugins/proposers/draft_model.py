@@ -5,9 +5,7 @@ from __future__ import annotations
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
-from modserve.core.interfaces import Proposal, Proposer, ProposerContext
-from modserve.core.sequence import Sequence
-from modserve.core.speculative import sample_rows
+from modserve.api import Proposal, Proposer, ProposerContext, Sequence, sample_rows
 
 
 class DraftModelOptions(BaseModel):

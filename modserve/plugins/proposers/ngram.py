@@ -5,8 +5,7 @@ from __future__ import annotations
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
-from modserve.core.interfaces import Proposal, Proposer, ProposerContext
-from modserve.core.sequence import Sequence
+from modserve.api import Proposal, Proposer, ProposerContext, Sequence
 
 
 class NgramOptions(BaseModel):

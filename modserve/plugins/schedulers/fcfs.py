@@ -7,9 +7,9 @@ from typing import Iterator
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from modserve.core.interfaces import Schedule, Scheduler, SchedulerLimits, SchedulerView
-from modserve.core.sequence import Sequence
-from modserve.plugins.schedulers.base import Budget, admit, advance_running, start_budget
+from modserve.api import (
+    Budget, Schedule, Scheduler, SchedulerLimits, SchedulerView, Sequence, admit, advance_running,
+    start_budget)
 
 
 class FCFSOptions(BaseModel):

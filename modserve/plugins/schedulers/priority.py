@@ -6,9 +6,9 @@ import time
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from modserve.core.interfaces import Schedule, Scheduler, SchedulerLimits, SchedulerView
-from modserve.core.sequence import Sequence, SequenceStatus
-from modserve.plugins.schedulers.base import admit, advance_running, start_budget
+from modserve.api import (
+    Schedule, Scheduler, SchedulerLimits, SchedulerView, Sequence, SequenceStatus, admit, advance_running,
+    start_budget)
 
 
 class PriorityOptions(BaseModel):

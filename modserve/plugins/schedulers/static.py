@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-from modserve.core.interfaces import Schedule, Scheduler, SchedulerView
-from modserve.plugins.schedulers.base import admit, advance_running, start_budget
+from modserve.api import Schedule, Scheduler, SchedulerView, admit, advance_running, start_budget
 
 
 class StaticScheduler(Scheduler):

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from modserve.core.linear import Unquantized, float_layers
+from modserve.api import Unquantized, float_layers
 from modserve.plugins.platforms.cpu.kernels import bf16_linear_ready
 
 logger = logging.getLogger("modserve")

@@ -8,8 +8,7 @@ import logging
 import torch
 from pydantic import BaseModel
 
-from modserve.core.interfaces import CausalLM, FinishedModel, ModelLoad, Platform
-from modserve.core.linear import Unquantized, model_bytes
+from modserve.api import CausalLM, FinishedModel, ModelLoad, Platform, Unquantized, model_bytes
 from modserve.plugins.platforms.compile import compile_regions
 from modserve.plugins.platforms.cpu.host_memory import keep_freed_memory
 from modserve.plugins.platforms.cpu.linear import CpuLinear, add_decode_weights, decode_weight_dtype

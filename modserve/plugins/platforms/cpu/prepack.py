@@ -18,7 +18,7 @@ import logging
 import torch
 from torch import nn
 
-from modserve.core.linear import float_layers
+from modserve.api import float_layers
 from modserve.plugins.platforms.cpu.kernels import bf16_linear_ready
 
 logger = logging.getLogger("modserve")

@@ -8,7 +8,7 @@ import logging
 import torch
 from pydantic import BaseModel
 
-from modserve.core.interfaces import CausalLM, FinishedModel, ModelLoad, Platform
+from modserve.api import CausalLM, FinishedModel, ModelLoad, Platform
 from modserve.plugins.platforms.compile import compile_regions
 
 logger = logging.getLogger("modserve")

@@ -1,0 +1,50 @@
+"""C++ CPU kernels, built on first use, for any plugin that ships one.
+
+torch's ``cpp_extension`` compiles a kernel's source with the machine's C++ compiler (the
+one inductor uses) into its per-user cache, once per source version (~15 s on two
+cores); later processes load the cached library in a fraction of a second. A kernel
+registers its ops with ``TORCH_LIBRARY``. Where one cannot be built (no compiler, no
+ninja), :func:`load_kernel` says why once and the caller keeps its torch-ops path.
+
+``-march=native``: a kernel is built for the machine that runs it (AVX2/FMA where there
+are); ``-fopenmp``: ``at::parallel_for`` is inline OpenMP, so without it a kernel runs
+on one thread. ``csrc/`` here is on every kernel's include path, so any kernel may
+``#include "claims.h"`` (work split by atomic claims instead of a static partition).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import shutil
+import time
+from pathlib import Path
+
+logger = logging.getLogger("modserve")
+
+INCLUDE = Path(__file__).parent / "csrc"
+
+
+@functools.cache
+def load_kernel(name: str, source: str) -> str | None:
+    """Build (or load from the cache) library ``name`` from ``source``; None once its ops
+    are registered, else why not (logged as a warning)."""
+    start = time.perf_counter()
+    try:
+        from torch.utils import cpp_extension
+
+        if shutil.which("ninja") is None:  # the PyPI wheel's binary, when the venv is not on PATH
+            import ninja
+
+            os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
+        cpp_extension.load(name=name, sources=[source], is_python_module=False, extra_include_paths=[str(INCLUDE)],
+                           extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"])
+    except Exception as e:  # a missing compiler, ninja or headers: all mean the torch-ops path
+        text = str(e).strip()
+        last_line = text.splitlines()[-1] if text else repr(e)
+        problem = f"{type(e).__name__}: {last_line}"
+        logger.warning("C++ kernel %s could not be built (%s); using torch ops instead", name, problem)
+        return problem
+    logger.info("C++ kernel %s loaded in %.1f s (a first build takes longer)", name, time.perf_counter() - start)
+    return None

@@ -1,0 +1,31 @@
+"""Sampling primitives every sampler, proposer and the verifier share: one draw per row,
+and the logprob fields of a :class:`~modserve.core.interfaces.SamplerOutput`."""
+
+from __future__ import annotations
+
+import torch
+
+from modserve.core.interfaces import SamplerOutput
+
+
+def sample_rows(probs: torch.Tensor, generators: dict[int, torch.Generator]) -> torch.Tensor:
+    """One token per row of ``probs`` [B, V]: argmax(probs / q), q ~ Exp(1), a draw from probs.
+    Seeded rows take q only from their own generator, so they do not depend on the batch."""
+    B, V = probs.shape
+    q = torch.empty_like(probs).exponential_()  # [B, V]
+    for row, gen in generators.items():
+        q[row] = torch.empty(V, dtype=probs.dtype, device=probs.device).exponential_(generator=gen)
+    # exponential_ may return exactly 0; 0/0 = NaN would win argmax, so floor it.
+    q.clamp_(min=torch.finfo(q.dtype).tiny)
+    return (probs / q).argmax(dim=-1)  # [B]
+
+
+def add_logprobs(out: SamplerOutput, raw_logprobs: torch.Tensor, num_top: int) -> None:
+    """Fill ``out.logprobs`` and ``out.ranks`` for ``out.token_ids`` from ``raw_logprobs``
+    [B, V] (the model's unprocessed log-softmax), and with ``num_top`` > 0 the sorted top
+    ``num_top`` of each row."""
+    token_ids = out.token_ids.unsqueeze(1).to(raw_logprobs.device)  # [B, 1]
+    out.logprobs = raw_logprobs.gather(1, token_ids).squeeze(1)  # [B]
+    out.ranks = (raw_logprobs > out.logprobs.unsqueeze(1)).sum(dim=-1) + 1  # [B], 1 = most likely
+    if num_top > 0:
+        out.top_logprobs, out.top_ids = raw_logprobs.topk(min(num_top, raw_logprobs.shape[-1]), dim=-1)  # [B, K]
