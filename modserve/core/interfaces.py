@@ -196,6 +196,29 @@ class KVAllocator(ABC):
         """Counters for engine stats and /metrics."""
         return {"num_blocks": self.num_blocks, "free_blocks": self.num_free_blocks()}
 
+    def check_integrity(self, holders: Iterable[Sequence] | None = None) -> None:
+        """Raise ``AssertionError`` (or ``ValueError``) describing the first inconsistency in the
+        allocator's bookkeeping: a block both free and held, a block neither free nor held, a
+        block id outside ``[0, num_blocks)``, a free count that differs from ``num_free_blocks()``.
+        With ``holders`` (every sequence holding blocks), also reference counts that do not match
+        the holders' block tables. Changes nothing; only tests call it (the conformance kit, after
+        every operation), so it need not be fast. Default: what the base class can see, the
+        free count's range and the holders' block ids."""
+        free = self.num_free_blocks()
+        if not 0 <= free <= self.num_blocks:
+            raise AssertionError(f"num_free_blocks() = {free}, outside [0, num_blocks={self.num_blocks}]")
+        held: set[int] = set()
+        for seq in holders or ():
+            bad = [b for b in seq.block_ids if not (isinstance(b, int) and 0 <= b < self.num_blocks)]
+            if bad:
+                raise AssertionError(f"sequence {seq.seq_id} holds block ids {bad}, outside [0, {self.num_blocks})")
+            if len(set(seq.block_ids)) != len(seq.block_ids):
+                raise AssertionError(f"sequence {seq.seq_id} lists a block twice: {seq.block_ids}")
+            held.update(seq.block_ids)
+        if len(held) + free > self.num_blocks:
+            raise AssertionError(f"{len(held)} blocks are held and num_free_blocks() = {free}: more than "
+                                 f"num_blocks={self.num_blocks}, so a held block counts as free")
+
 
 # ---------------------------------------------------------------------------
 # Scheduling

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections import deque
+from typing import Iterable
 
 from pydantic import BaseModel
 
@@ -42,3 +43,25 @@ class ContiguousAllocator(KVAllocator):
         if seq.block_ids:
             self.free_slabs.append(seq.block_ids[0] // self.slab)
             seq.block_ids.clear()
+
+    def check_integrity(self, holders: Iterable[Sequence] | None = None) -> None:
+        super().check_integrity(holders)
+        num_slabs = self.num_blocks // self.slab
+        free = set(self.free_slabs)
+        assert len(free) == len(self.free_slabs), "a slab is in the free list twice"
+        assert all(0 <= s < num_slabs for s in free), f"a free slab id is outside [0, {num_slabs})"
+        if holders is None:
+            return
+        held: dict[int, int] = {}  # slab -> the sequence holding it
+        for seq in holders:
+            if not seq.block_ids:
+                continue
+            first = seq.block_ids[0]
+            slab = first // self.slab
+            assert seq.block_ids == list(range(first, first + self.slab)) and first % self.slab == 0, (
+                f"sequence {seq.seq_id}'s blocks {seq.block_ids} are not one whole slab")
+            assert slab not in free, f"slab {slab} is free and held by sequence {seq.seq_id}"
+            assert slab not in held, f"slab {slab} is held by sequences {held[slab]} and {seq.seq_id}"
+            held[slab] = seq.seq_id
+        assert len(held) + len(free) == num_slabs, (
+            f"{num_slabs - len(held) - len(free)} slabs are neither free nor held")

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import hashlib
 from array import array
-from collections import OrderedDict, deque
+from collections import Counter, OrderedDict, deque
+from typing import Iterable
 
 from pydantic import BaseModel, ConfigDict
 
@@ -166,6 +167,31 @@ class PagedAllocator(KVAllocator):
         self.cached.clear()
         self.free_plain.extend(self.free_cached)
         self.free_cached.clear()
+
+    def check_integrity(self, holders: Iterable[Sequence] | None = None) -> None:
+        super().check_integrity(holders)
+        n = self.num_blocks
+        assert len(self.ref_counts) == len(self.block_key) == n, "per-block tables are not num_blocks long"
+        plain, cached = set(self.free_plain), set(self.free_cached)
+        assert len(plain) == len(self.free_plain), "a block is in the plain free list twice"
+        assert not plain & cached, f"blocks {sorted(plain & cached)} are in both free lists"
+        assert all(0 <= b < n for b in plain | cached), "a free list holds a block id out of range"
+        for block, refs in enumerate(self.ref_counts):
+            free = block in plain or block in cached
+            assert refs >= 0, f"block {block} has reference count {refs}"
+            assert (refs == 0) == free, (f"block {block} has reference count {refs} but is "
+                                         f"{'' if free else 'not '}in a free list")
+            key = self.block_key[block]
+            assert block not in plain or key is None, f"plain free block {block} keeps a prefix key"
+            assert block not in cached or key is not None, f"cached free block {block} has no prefix key"
+            assert key is None or self.cached.get(key) == block, f"block {block}'s key maps elsewhere"
+        assert all(self.block_key[b] == k for k, b in self.cached.items()), "the prefix cache names a stale block"
+        assert self.num_free_blocks() == len(plain) + len(cached)
+        if holders is not None:
+            counts = Counter(b for seq in holders for b in seq.block_ids)
+            wrong = [(b, self.ref_counts[b], counts[b]) for b in range(n) if self.ref_counts[b] != counts[b]]
+            assert not wrong, "reference counts differ from the holders' tables: " + ", ".join(
+                f"block {b} counts {refs}, {held} tables hold it" for b, refs, held in wrong[:5])
 
     def stats(self) -> dict[str, float]:
         return {

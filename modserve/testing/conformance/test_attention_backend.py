@@ -1,0 +1,117 @@
+"""AttentionBackend: causal attention over a paged KV cache, against a float64 reference.
+
+Each case runs three steps of ragged batches mixing fresh prefills, chunked prefills (cached
+context plus several new tokens) and decodes, over random block tables, with sequences
+crossing block boundaries (:mod:`.attention_steps`).
+"""
+
+from __future__ import annotations
+
+from typing import Iterator
+
+import pytest
+import torch
+
+from modserve.api import AttentionBackend
+from modserve.testing.conformance.attention_steps import AttentionCase, History, Step
+from modserve.testing.conformance.targets import Implementation
+
+CONFORMANCE_KIND = "attention_backend"
+pytestmark = pytest.mark.usefixtures("modserve_one_thread")
+
+F32, BF16 = torch.float32, torch.bfloat16
+# Every head layout, head size (64, 128), block size (16, 8) and dtype, without the full product.
+CASES = [
+    AttentionCase(4, 4, 64, 16, F32),
+    AttentionCase(4, 2, 128, 16, F32),
+    AttentionCase(4, 1, 64, 8, F32),
+    AttentionCase(4, 2, 64, 8, BF16),
+    AttentionCase(2, 2, 128, 16, BF16),
+    AttentionCase(4, 1, 128, 8, BF16),
+    AttentionCase(4, 2, 64, 16, F32, fp8_kv=True),
+    AttentionCase(4, 1, 128, 8, BF16, fp8_kv=True),
+]
+ATOL = {F32: 2e-5, BF16: 5e-2}  # against float64; bfloat16 keeps 8 bits of mantissa
+
+
+def backend_for(implementation: Implementation, case: AttentionCase) -> AttentionBackend:
+    backend = implementation.create(case.spec())
+    problem = backend.kv_cache_problem()
+    if problem is not None:
+        what = "an fp8 (float8_e4m3fn) KV cache" if case.fp8_kv else f"a {case.dtype} KV cache"
+        pytest.skip(f"{implementation} does not support {what}: {problem}")
+    return backend
+
+
+def run_steps(backend: AttentionBackend, history: History) -> Iterator[tuple[Step, torch.Tensor, torch.Tensor,
+                                                                              torch.Tensor]]:
+    """(step, output, cache before, cache after) for each step, on one cache."""
+    shape = tuple(backend.kv_cache_shape(history.num_blocks))
+    cache = history.stale_cache(shape)
+    for index in range(history.num_steps):
+        step = history.step(index)
+        before = cache.clone()
+        out = backend.forward(step.q, step.k, step.v, cache, step.meta, backend.prepare(step.meta))
+        assert tuple(cache.shape) == shape, f"forward changed the cache's shape to {tuple(cache.shape)}"
+        yield step, out, before, cache
+
+
+def worst_sequence(step: Step, error: torch.Tensor) -> tuple[int, float]:
+    """(batch entry, error) of the sequence whose rows are furthest from the reference."""
+    per_row = error.flatten(1).amax(dim=1)  # [T]
+    starts = step.meta.query_start_loc.tolist()
+    worst = [float(per_row[a:b].max()) for a, b in zip(starts, starts[1:])]
+    i = max(range(len(worst)), key=worst.__getitem__)
+    return i, worst[i]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
+def test_matches_float64_reference(implementation: Implementation, case: AttentionCase) -> None:
+    """Every query row attends causally to its own sequence's keys (cached context and this
+    step's, GQA heads sharing KV heads), within float error of the reference; output
+    ``[T, H, D]`` in the compute dtype. An fp8 cache is read as stored, this step's keys included."""
+    backend = backend_for(implementation, case)
+    history = History(case, seed=case.head_dim + case.block_size)
+    for step, out, _, _ in run_steps(backend, history):
+        assert isinstance(out, torch.Tensor) and tuple(out.shape) == tuple(step.q.shape), (
+            f"step {step.index}: the output must be [T, H, D] = {tuple(step.q.shape)}, "
+            f"got {getattr(out, 'shape', type(out).__name__)}")
+        assert out.dtype == case.dtype, f"step {step.index}: the output must be {case.dtype}, got {out.dtype}"
+        error = (out.double() - history.reference(step)).abs()
+        i, worst = worst_sequence(step, error)
+        assert worst <= ATOL[case.dtype], (
+            f"step {step.index}: {step.describe(i)} differs from causal attention over its cached and new keys "
+            f"by {worst:.3g} (tolerance {ATOL[case.dtype]:g}); every row must attend exactly to its sequence's "
+            f"positions <= its own")
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
+def test_writes_kv_into_its_blocks_only(implementation: Implementation, case: AttentionCase) -> None:
+    """``forward`` stores this step's keys and values in the blocks ``meta.slot_mapping`` names,
+    dimension 1 of the cache being the block index, and changes no other block."""
+    backend = backend_for(implementation, case)
+    history = History(case, seed=case.head_dim + case.block_size + 1)
+    for step, _, before, after in run_steps(backend, history):
+        written = history.written(step)
+        for block in range(history.num_blocks):
+            if block not in written:
+                assert torch.equal(after[:, block].view(torch.uint8), before[:, block].view(torch.uint8)), (
+                    f"step {step.index}: block {block} changed, but meta.slot_mapping writes nothing there"
+                    + (" (a block in no block table)" if block in history.spare else ""))
+            elif case.dtype == torch.float32 and not case.fp8_kv:  # distinct float32 values: a fingerprint
+                missing = ~torch.isin(written[block], after[:, block].flatten())
+                assert not missing.any(), (
+                    f"step {step.index}: {int(missing.sum())} of the {written[block].numel()} key/value numbers "
+                    f"meta.slot_mapping puts in block {block} are not in kv_cache[:, {block}] (dimension 1 of "
+                    f"kv_cache_shape() must be the block index)")
+
+
+def test_kv_cache_shape_indexes_blocks_in_dimension_1(implementation: Implementation) -> None:
+    """Block copies (copy-on-write) and swaps move ``kv_cache[:, block]``: only dimension 1 may
+    depend on the number of blocks."""
+    backend = implementation.create(CASES[1].spec())
+    small, large = tuple(backend.kv_cache_shape(5)), tuple(backend.kv_cache_shape(9))
+    assert len(small) >= 2 and small[1] == 5 and large[1] == 9, (
+        f"kv_cache_shape(5) = {small}, kv_cache_shape(9) = {large}: dimension 1 must be the block count")
+    assert small[:1] + small[2:] == large[:1] + large[2:], (
+        f"kv_cache_shape(5) = {small}, kv_cache_shape(9) = {large}: only dimension 1 may change with it")
