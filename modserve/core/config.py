@@ -106,6 +106,11 @@ class EngineConfig(BaseModel):
         "(400 at the server) and the compile finishes in the background for the cache")
     speculative: SpeculativeConfig | None = Field(None, description="Speculative decoding; off when unset")
 
+    @field_validator("model", "tokenizer", mode="before")
+    @classmethod
+    def _path_as_text(cls, value: Any) -> Any:
+        return os.fspath(value) if isinstance(value, os.PathLike) else value  # LLM(Path(...)) works too
+
     @field_validator("model")
     @classmethod
     def _model_dir(cls, value: str) -> str:

@@ -13,11 +13,12 @@ from typing import Any
 import torch
 
 from modserve.core.config import EngineConfig
-from modserve.core.grammar import CompiledGrammar, GrammarCompiler, wait_any
-from modserve.core.interfaces import Platform, SamplerOutput, SchedulerLimits
+from modserve.core.grammar import AUTO, CompiledGrammar, GrammarCompiler, wait_any
+from modserve.core.interfaces import GrammarMatcher, Platform, SamplerOutput, SchedulerLimits
 from modserve.core.loader import checkpoint_dtype, load_hf_config
 from modserve.core.model_runner import ModelOutput, ModelRunner
 from modserve.core.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from modserve.core.plugin_calls import calling
 from modserve.core.registry import PluginError, Registry, get_registry
 from modserve.core.sampling_params import SamplingParams
 from modserve.core.scheduler import SchedulerCore, SwapSpace
@@ -47,6 +48,7 @@ class LLMEngine:
     def __init__(self, config: EngineConfig, registry: Registry | None = None, progress: bool = True) -> None:
         self.config = config
         registry = registry or get_registry()
+        check_plugin_choices(config, registry)  # a typo fails now, not after the weights loaded
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         self.platform: Platform = registry.create("platform", config.platform_choice(), torch.device(config.device))
@@ -57,6 +59,10 @@ class LLMEngine:
         self.dtype = self.platform.resolve_dtype(config.dtype, checkpoint_dtype(hf_config))
         self.tokenizer = Tokenizer(config.tokenizer or config.model, config.model)
         self.eos_token_ids = self.tokenizer.eos_token_ids
+        self.grammar = GrammarCompiler(registry, config.grammar_backend, config.tokenizer or config.model,
+                                       hf_config.vocab_size, self.eos_token_ids, config.grammar_cache_size,
+                                       config.grammar_compile_workers, config.grammar_compile_timeout)
+        self.compiling: dict[str, Future] = {}  # request id -> its grammar, still compiling
         self.runner = ModelRunner(config, hf_config, registry, self.dtype, self.max_model_len,
                                   self.eos_token_ids, progress=progress, platform=self.platform)
         self.num_blocks = self._num_kv_blocks()
@@ -72,10 +78,6 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self._seq_ids = count()
         self.counters = {"prompt_tokens": 0, "computed_tokens": 0, "generation_tokens": 0, "steps": 0}
-        self.grammar = GrammarCompiler(registry, config.grammar_backend, config.tokenizer or config.model,
-                                       self.runner.vocab_size, self.eos_token_ids, config.grammar_cache_size,
-                                       config.grammar_compile_workers, config.grammar_compile_timeout)
-        self.compiling: dict[str, Future] = {}  # request id -> its grammar, still compiling
         self.isolation = StepIsolation()
         self.spec = SpecDecode.create(config, registry, self.runner, self.num_blocks, self.max_model_len)
         if self.runner.compiled:
@@ -156,11 +158,12 @@ class LLMEngine:
                 seq.generator = torch.Generator(self.runner.device).manual_seed(params.seed + i)
             seq.detok = self.tokenizer.stream(params.skip_special_tokens)
             seqs.append(seq)
-        self.requests[request_id] = Request(request_id, text, token_ids, params, seqs, metrics, max_tokens)
+        req = Request(request_id, text, token_ids, params, seqs, metrics, max_tokens)
         if grammar is None or grammar.done():
-            self._start(self.requests[request_id], grammar)
+            self._start(req, grammar)  # first: a grammar backend that fails here leaves nothing behind
         else:  # NOTE: kept out of the scheduler until compiled; others decode meanwhile
             self.compiling[request_id] = grammar
+        self.requests[request_id] = req
         self.counters["prompt_tokens"] += len(token_ids)
 
     def validate_prompt(self, token_ids: list[int]) -> None:
@@ -221,12 +224,18 @@ class LLMEngine:
             if not grammar.done():
                 continue
             del self.compiling[rid]
-            req = self.requests[rid]
-            if grammar.exception() is None:
-                self._start(req, grammar)
+            req, error = self.requests[rid], grammar.exception()
+            if error is None:
+                try:
+                    self._start(req, grammar)
+                    continue
+                except PluginError as e:
+                    error = e
+            if isinstance(error, PluginError):  # the backend broke, not the spec: fail it with that
+                refused.extend(self._fail_request(rid, error))
                 continue
             # Callers that validate first (LLM.generate, the server) never get here.
-            logger.warning("request %s aborted: %s", rid, grammar.exception())
+            logger.warning("request %s aborted: %s", rid, error)
             for seq in req.seqs:
                 seq.finish_reason, seq.status = "abort", SequenceStatus.FINISHED
             del self.requests[rid]
@@ -256,9 +265,7 @@ class LLMEngine:
             self._next_probe()
         try:
             outputs = self._step()
-        except PluginError:
-            raise  # a plugin broke its contract (it is named): no request is at fault
-        except Exception as e:
+        except Exception as e:  # a PluginError too: a plugin may fail on one request's input only
             return self._step_failed(e)
         if not iso.active:
             iso.cleared_all = False
@@ -309,18 +316,21 @@ class LLMEngine:
                 iso.held = [s for s in iso.held if s.request_id != rid]
                 for seq in mine:
                     self.scheduler.add(seq)
-                iso.probe = rid
+                iso.probe, iso.probe_tokens = rid, {s: s.num_tokens for s in mine}
                 return
         self._end_isolation()
 
     def _probe_done(self, rid: str) -> bool:
-        """True once the probed request ran a full step past its old progress, or ended."""
+        """True once the probed request ran a full step past its old progress, or ended.
+        NOTE: two tokens past it: its recompute's prefill makes one, a decode the other (a
+        fault of decode steps only, a proposer's, shows only there)."""
         req = self.requests.get(rid)
         if req is None:
             return True
         live = [s for s in req.seqs if not s.is_finished]
+        start = self.isolation.probe_tokens
         return all(s.status is SequenceStatus.RUNNING and s.num_computed_tokens == s.num_tokens - 1
-                   and not s.pending_forks for s in live)
+                   and not s.pending_forks and s.num_tokens >= start.get(s, 0) + 2 for s in live)
 
     def _end_isolation(self) -> None:
         iso = self.isolation
@@ -341,7 +351,9 @@ class LLMEngine:
                 self._remove(seq)
                 seq.finish_reason = "error"
         out = self._output(req)
-        out.error = f"{type(error).__name__}: {error}"
+        plugin = isinstance(error, PluginError)  # its message names the plugin and what it broke
+        out.error = str(error) if plugin else f"{type(error).__name__}: {error}"
+        out.error_kind = "plugin" if plugin else "engine"
         return [out]
 
     def _step(self) -> list[RequestOutput]:
@@ -402,7 +414,7 @@ class LLMEngine:
                 req.metrics.first_token_time = now
         if params.logprobs is not None:
             seq.logprobs.append(_logprob_entry(out, row, params.logprobs))
-        if seq.grammar is not None and not seq.grammar.accept_token(token):
+        if seq.grammar is not None and not _accepts(seq.grammar, token):
             # The mask allows only what the grammar accepts, so this is a backend bug.
             logger.error("request %s: the grammar rejected sampled token %d; aborting it", req.request_id, token)
             seq.finish_reason = "abort"
@@ -471,6 +483,7 @@ class StepIsolation:
     suspects: deque[str] = field(default_factory=deque)  # request ids still to run alone
     held: list[Sequence] = field(default_factory=list)  # kept out of the scheduler meanwhile
     probe: str | None = None  # the request running alone now
+    probe_tokens: dict[Sequence, int] = field(default_factory=dict)  # its sequences' lengths when it began
     active: bool = False
     found_culprit: bool = False
     # The last isolation found no culprit and no step has succeeded since: the fault is in
@@ -484,6 +497,24 @@ class StepIsolation:
     def finish(self) -> None:
         self.cleared_all = not self.found_culprit
         self.held, self.probe, self.active = [], None, False
+
+
+def _accepts(matcher: GrammarMatcher, token: int) -> bool:
+    with calling(matcher, "grammar_backend", "matcher.accept_token()"):
+        return matcher.accept_token(token)
+
+
+def check_plugin_choices(config: EngineConfig, registry: Registry) -> None:
+    """Every plugin the config selects exists and accepts its options: ValueError naming the
+    kind and the option otherwise, before anything heavy (weights, KV cache) is made."""
+    grammar = config.grammar_backend  # auto is the core's, not a plugin (GrammarCompiler checks it)
+    chosen = {"platform": config.platform_choice(), "attention_backend": config.attention_backend,
+              "kv_allocator": config.kv_allocator, "scheduler": config.scheduler, "sampler": config.sampler,
+              "quantizer": config.quantization, "grammar_backend": None if grammar.name == AUTO else grammar,
+              "proposer": config.speculative.proposer if config.speculative else None}
+    for kind, choice in chosen.items():
+        if choice is not None:
+            registry.get(kind, choice.name).validate_options(choice.options)
 
 
 def _check_stop_strings(seq: Sequence, delta_len: int) -> None:

@@ -19,6 +19,7 @@ from typing import Any, Iterator
 import torch
 
 from modserve.core.interfaces import AttentionBackend, AttentionMetadata
+from modserve.core.plugin_calls import broke, described, failed
 
 
 @dataclass(slots=True)
@@ -47,7 +48,15 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int) -> to
     ctx: ForwardContext | None = getattr(_local, "context", None)
     if ctx is None:
         raise RuntimeError("attention() called outside forward_context(): the model's forward must open it")
-    return ctx.backend.forward(q, k, v, ctx.kv_caches[layer], ctx.meta, ctx.state)
+    kv_cache = ctx.kv_caches[layer]
+    try:  # NOTE: once per layer: a bare try and three compares, nothing read from the device
+        out = ctx.backend.forward(q, k, v, kv_cache, ctx.meta, ctx.state)
+    except Exception as e:
+        raise failed(ctx.backend, "attention_backend", "forward()", e) from e
+    if not isinstance(out, torch.Tensor) or out.shape != q.shape or out.dtype != q.dtype:
+        raise broke(ctx.backend, "attention_backend", "forward()", f"a tensor of q's shape {list(q.shape)} "
+                    f"and dtype {str(q.dtype).removeprefix('torch.')}", described(out))
+    return out
 
 
 @torch.library.custom_op("modserve::attention", mutates_args=())

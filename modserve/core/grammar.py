@@ -24,7 +24,8 @@ import torch
 
 from modserve.core.config import PluginChoice
 from modserve.core.interfaces import GrammarBackend, GrammarMatcher, GrammarVocab
-from modserve.core.registry import Registry
+from modserve.core.plugin_calls import broke, calling, described, failed
+from modserve.core.registry import Registry, mark, registration_of
 from modserve.core.sequence import Sequence
 from modserve.core.structured_outputs import GrammarSpec
 
@@ -46,7 +47,12 @@ class CompiledGrammar:
     compile_seconds: float
 
     def matcher(self) -> GrammarMatcher:
-        return self.backend.matcher(self.compiled, MAX_ROLLBACK)
+        with calling(self.backend, "grammar_backend", "matcher()"):
+            matcher = self.backend.matcher(self.compiled, MAX_ROLLBACK)
+        if not isinstance(matcher, GrammarMatcher):
+            raise broke(self.backend, "grammar_backend", "matcher()", "a GrammarMatcher", described(matcher))
+        mark(matcher, registration_of(self.backend))  # its errors name the backend too
+        return matcher
 
 
 class GrammarCompiler:
@@ -139,10 +145,11 @@ class GrammarCompiler:
             start = time.perf_counter()
             try:
                 compiled = backend.compile(spec)
-            except Exception as e:  # the backend's reason is what the user needs
-                why = str(e) if isinstance(e, ValueError) else f"{type(e).__name__}: {e}"
-                reasons.append(f"{name}: {why}")
+            except ValueError as e:  # the contract's refusal: its reason is what the user needs
+                reasons.append(f"{name}: {e}")
                 continue
+            except Exception as e:  # anything else is the backend's fault, not the spec's
+                raise failed(backend, "grammar_backend", "compile()", e) from e
             elapsed = time.perf_counter() - start
             logger.debug("grammar %s compiled by %s in %.3f s", spec.describe(), name, elapsed)
             return CompiledGrammar(name, backend, compiled, spec, elapsed)
@@ -206,5 +213,6 @@ def fill_token_bitmask(seqs: list[Sequence], vocab_size: int, device: torch.devi
         return None
     bitmask = torch.full((len(seqs), (vocab_size + 31) // 32), -1, dtype=torch.int32)
     for row, matcher in rows:
-        matcher.fill_bitmask(bitmask, row)
+        with calling(matcher, "grammar_backend", "matcher.fill_bitmask()"):
+            matcher.fill_bitmask(bitmask, row)
     return bitmask.to(device, non_blocking=True)

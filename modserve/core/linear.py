@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from modserve.core.interfaces import LinearSpec, Quantizer
+from modserve.core.plugin_calls import quantized_apply
 
 
 class Linear(nn.Module):
@@ -33,9 +34,12 @@ class Linear(nn.Module):
         self.bias = param(torch.empty(spec.out_features, dtype=spec.dtype)) if spec.bias else None
         quantizer.create_weights(self, spec)
         self.loaded: set[tuple[str, int]] = set()
+        self.checked = False  # the quantizer's output shape, checked at the first eager call
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] -> [T, out]
-        return self.quantizer.apply(self, x)
+        if torch.compiler.is_compiling():  # NOTE: traced code stays free of the checks' branches
+            return self.quantizer.apply(self, x)
+        return quantized_apply(self, x)
 
     def load(self, name: str, tensor: torch.Tensor, shard: int = 0) -> None:
         """One checkpoint tensor (``name``: its last name part) of output shard ``shard``."""

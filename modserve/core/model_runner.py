@@ -17,6 +17,7 @@ from modserve.core.interfaces import (AttentionMetadata, AttentionSpec, ModelLoa
                                       SamplingBatch)
 from modserve.core.linear import default_dtype, finish_linears, linear_factory, model_bytes
 from modserve.core.loader import checkpoint_dtype, iter_weights
+from modserve.core.plugin_calls import calling, sampled_ids
 from modserve.core.quantization import kv_cache_dtype, select_quantizer
 from modserve.core.registry import Registry
 from modserve.core.sequence import Sequence
@@ -206,8 +207,8 @@ class ModelRunner:
         hidden = self._forward(batch.input_ids, batch.meta)  # [T, hidden]
         out, parts = ModelOutput(), []
         if batch.sampled:
-            seqs, samples = self._sample(batch.sampled, self.model.compute_logits(hidden[batch.sample_rows]))
-            out.token_ids = {s: [t] for s, t in zip(seqs, samples.token_ids.tolist())}
+            seqs, samples, tokens = self._sample(batch.sampled, self.model.compute_logits(hidden[batch.sample_rows]))
+            out.token_ids = {s: [t] for s, t in zip(seqs, tokens)}
             parts.append(samples)
         if batch.speculating:
             seqs = batch.speculating
@@ -220,16 +221,22 @@ class ModelRunner:
         return out
 
     def _forward(self, input_ids: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:  # [T, hidden]
-        return self.model(input_ids, meta.positions, self.kv_caches, meta, self.attn.prepare(meta))
+        with calling(self.attn, "attention_backend", "prepare()"):
+            state = self.attn.prepare(meta)
+        return self.model(input_ids, meta.positions, self.kv_caches, meta, state)
 
-    def _sample(self, seqs: list[Sequence], logits: torch.Tensor) -> tuple[list[Sequence], SamplerOutput]:
-        """One token per sequence, and one for each sample (n > 1) that forks from it."""
+    def _sample(self, seqs: list[Sequence], logits: torch.Tensor) -> tuple[list[Sequence], SamplerOutput, list[int]]:
+        """One token per sequence, and one for each sample (n > 1) that forks from it: the
+        sequences, the sampler's output and its token ids (checked)."""
         if any(s.pending_forks for s in seqs):
             # n > 1: the prompt was computed once; every sample draws from its logits.
             repeats = torch.tensor([1 + len(s.pending_forks) for s in seqs], device=logits.device)
             logits = logits.repeat_interleave(repeats, dim=0)
             seqs = [x for s in seqs for x in (s, *s.pending_forks)]
-        return seqs, self.sampler(logits, self.sampling_batch(seqs))
+        batch = self.sampling_batch(seqs)
+        with calling(self.sampler, "sampler", "__call__()"):
+            out = self.sampler(logits, batch)
+        return seqs, out, sampled_ids(self.sampler, out, len(seqs), self.vocab_size)
 
     def _prepare(self, seqs: list[Sequence], num_new_tokens: list[int],
                  draft_tokens: dict[Sequence, list[int]] | None = None) -> ModelInput:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 
 @dataclass(slots=True)
@@ -50,3 +50,6 @@ class RequestOutput:
     # Why the engine failed this request (finish_reason "error"): a fault inside a step
     # that was traced to it alone; the other requests of that step went on.
     error: str | None = None
+    # "plugin": a plugin broke its contract, and ``error`` (a PluginError's message) names it;
+    # "engine": any other fault.
+    error_kind: Literal["plugin", "engine"] | None = None

@@ -247,16 +247,19 @@ class Registry:
 
     def create(self, kind: str, choice: Any, *args: Any, **kwargs: Any) -> Any:
         """Construct the implementation a :class:`~modserve.core.config.PluginChoice` selects,
-        passing its validated options as ``options=``."""
+        passing its validated options as ``options=``. The instance is marked with its
+        registration (:func:`registration_of`): the core's errors about it name the plugin."""
         reg = self.get(kind, choice.name)
         options = reg.validate_options(choice.options)
         cls = reg.load()
         try:
-            return cls(*args, options=options, **kwargs)
+            made = cls(*args, options=options, **kwargs)
         except Exception as e:
             raise PluginError(
                 f"{kind} {reg.name!r} from {reg.origin} failed to initialise: {type(e).__name__}: {e}"
             ) from e
+        mark(made, reg)
+        return made
 
     def describe(self) -> list[dict[str, Any]]:
         """Every distribution, its version and what it registered per kind."""
@@ -276,6 +279,20 @@ class Registry:
                 f.distribution, {"distribution": f.distribution, "version": f.version, "plugins": [], "registered": {}}
             ).setdefault("errors", []).append(f.error)
         return sorted(dists.values(), key=lambda d: d["distribution"])
+
+
+def mark(obj: object, reg: Registration | None) -> None:
+    """Record which registration made ``obj``, so errors at the core's seams can name it."""
+    with contextlib.suppress(AttributeError, TypeError):  # __slots__ or a builtin: left unnamed
+        setattr(obj, _MADE_BY, reg)
+
+
+def registration_of(obj: object) -> Registration | None:
+    """The registration whose implementation made ``obj`` (see :func:`mark`); None if unknown."""
+    return getattr(obj, _MADE_BY, None)
+
+
+_MADE_BY = "_modserve_registration"
 
 
 def check_api_version(declared: object, plugin: str, distribution: str, version: str) -> None:

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
 from modserve.core.interfaces import KVAllocator, Schedule, Scheduler, SchedulerLimits, SchedulerView
+from modserve.core.plugin_calls import broke, calling, described, failed, who
 from modserve.core.registry import PluginError
 from modserve.core.sequence import Sequence, SequenceStatus
 
@@ -137,7 +138,11 @@ class SchedulerCore(SchedulerView):
 
     # -- one step ---------------------------------------------------------------------
     def step(self) -> ScheduledStep:
-        schedule = self.policy.schedule(self)
+        with calling(self.policy, "scheduler", "schedule()"):
+            schedule = self.policy.schedule(self)
+        if not isinstance(schedule, Schedule) or not isinstance(schedule.tokens, dict):
+            raise broke(self.policy, "scheduler", "schedule()", "a Schedule (tokens: a dict of sequence -> int)",
+                        described(schedule))
         self._check(schedule)
         out = ScheduledStep([], [], list(schedule.preempt))
         for seq in schedule.preempt:
@@ -146,14 +151,14 @@ class SchedulerCore(SchedulerView):
             if seq.status is SequenceStatus.WAITING:
                 self.waiting.remove(seq)
                 if not seq.block_ids:
-                    seq.num_computed_tokens = self.allocator.match_prefix(seq)
+                    with calling(self.allocator, "kv_allocator", "match_prefix()"):
+                        seq.num_computed_tokens = self.allocator.match_prefix(seq)
                     n = min(n, seq.num_tokens - seq.num_computed_tokens)
             elif seq.status is SequenceStatus.SWAPPED:
                 self.swapped.remove(seq)
             if seq.status is not SequenceStatus.RUNNING:
                 self.running.append(seq)
-            if not self.allocator.allocate(seq, seq.num_computed_tokens + n):
-                raise PluginError(f"kv allocator could not allocate what it reported free for sequence {seq.seq_id}")
+            self._allocate(seq, seq.num_computed_tokens + n)
             if seq.status is SequenceStatus.SWAPPED:
                 host = self.swap_space.held.pop(seq.seq_id)
                 out.swap_in.extend(zip(host, seq.block_ids))
@@ -164,6 +169,22 @@ class SchedulerCore(SchedulerView):
             out.num_new_tokens.append(n)
         out.copies = self.allocator.take_copies()
         return out
+
+    def _allocate(self, seq: Sequence, num_tokens: int) -> None:
+        """``allocator.allocate``, checked: it must succeed (the schedule was checked against
+        what the allocator reported free) and leave block ids in range."""
+        allocator = self.allocator
+        try:
+            ok = allocator.allocate(seq, num_tokens)
+        except Exception as e:
+            raise failed(allocator, "kv_allocator", "allocate()", e) from e
+        if ok is not True:
+            raise broke(allocator, "kv_allocator", "allocate()", f"True (it reported the blocks of sequence "
+                        f"{seq.seq_id} free)", described(ok))
+        ids = seq.block_ids  # NOTE: min/max run in C: the table's few ids per step cost microseconds
+        if ids and (min(ids) < 0 or max(ids) >= allocator.num_blocks):
+            raise broke(allocator, "kv_allocator", "allocate()", f"block ids in [0, {allocator.num_blocks})",
+                        f"block table {described(ids)}")
 
     def update(self, scheduled: ScheduledStep, output: ModelOutput) -> None:
         """Apply what an executed step computed, before its tokens are appended: each
@@ -226,7 +247,7 @@ class SchedulerCore(SchedulerView):
 
     def _check(self, schedule: Schedule) -> None:
         def refuse(why: str) -> PluginError:
-            return PluginError(f"scheduler {self.policy_name!r} returned an invalid schedule: {why}")
+            return PluginError(f"{who(self.policy, 'scheduler')}: schedule() returned an invalid schedule: {why}")
 
         running, waiting, swapped = set(self.running), set(self.waiting), set(self.swapped)
         preempt = set(schedule.preempt)

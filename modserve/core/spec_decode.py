@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable
 import torch
 
 from modserve.core.interfaces import Proposer, ProposerContext, SamplerOutput
+from modserve.core.plugin_calls import calling, checked_probs, checked_proposal
 from modserve.core.sequence import Sequence
 from modserve.core.sampling import add_logprobs
 from modserve.core.speculative import verify
@@ -36,10 +37,12 @@ if TYPE_CHECKING:
 class SpecDecode:
     """The engine's side of speculative decoding. Without a proposer every method does nothing."""
 
-    def __init__(self, proposer: Proposer | None, num_speculative_tokens: int, max_model_len: int) -> None:
+    def __init__(self, proposer: Proposer | None, num_speculative_tokens: int, max_model_len: int,
+                 vocab_size: int) -> None:
         self.proposer = proposer
         self.k = num_speculative_tokens
         self.max_model_len = max_model_len
+        self.vocab_size = vocab_size
         self.counters = {"spec_proposed_tokens": 0, "spec_accepted_tokens": 0, "spec_verifications": 0}
 
     @classmethod
@@ -48,10 +51,11 @@ class SpecDecode:
         """With the proposer ``config.speculative`` names, built beside the target ``runner``."""
         spec = config.speculative
         if spec is None:
-            return cls(None, 0, max_model_len)
+            return cls(None, 0, max_model_len, runner.vocab_size)
         context = ProposerContext(config, registry, runner.device, runner.dtype, num_blocks, config.block_size,
                                   max_model_len, runner.vocab_size, runner.sampler)
-        return cls(registry.create("proposer", spec.proposer, context), spec.num_speculative_tokens, max_model_len)
+        return cls(registry.create("proposer", spec.proposer, context), spec.num_speculative_tokens, max_model_len,
+                   runner.vocab_size)
 
     def reserve(self, running: Iterable[Sequence], max_tokens: Callable[[Sequence], int]) -> None:
         """Set each running sequence's draft slots for the next schedule; ``max_tokens(seq)``
@@ -88,9 +92,12 @@ class SpecDecode:
             seq.num_lookahead = 0  # the schedule has used it
 
     def _fill(self, scheduled: ScheduledStep, granted: list[tuple[int, Sequence, int]]) -> None:
-        proposal = self.proposer.propose([s for _, s, _ in granted], [k for _, _, k in granted])
+        ks = [k for _, _, k in granted]
+        with calling(self.proposer, "proposer", "propose()"):
+            proposal = self.proposer.propose([s for _, s, _ in granted], ks)
+        checked_proposal(self.proposer, proposal, ks, self.vocab_size)
         for j, (i, seq, k) in enumerate(granted):
-            drafts = list(proposal.token_ids[j][:k])
+            drafts = list(proposal.token_ids[j])
             if seq.grammar is not None:
                 drafts = _grammar_prefix(seq.grammar, drafts)
             scheduled.num_new_tokens[i] = 1 + len(drafts)
@@ -140,7 +147,8 @@ def verify_drafts(runner: ModelRunner, seqs: list[Sequence], drafts: list[list[i
     rep = runner.sampling_batch([s for s, c in zip(seqs, counts) for _ in range(c)])
     if rep.allowed_token_bitmask is not None:
         rep.allowed_token_bitmask = _draft_bitmask(seqs, drafts, starts, sum(counts), runner.vocab_size, dev)
-    probs = runner.sampler.probs(logits, rep)  # [R, V]
+    with calling(runner.sampler, "sampler", "probs()"):
+        probs = checked_probs(runner.sampler, runner.sampler.probs(logits, rep), logits)  # [R, V]
     pos = torch.tensor([[st + min(j, c - 1) for j in range(K + 1)] for st, c in zip(starts, counts)],
                        device=dev)  # [B, K+1] rows, the last repeated as padding
     padded = torch.tensor([d + [0] * (K - len(d)) for d in drafts], device=dev)  # [B, K]

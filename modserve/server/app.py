@@ -16,6 +16,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 import modserve
 from modserve.core.engine import LLMEngine
+from modserve.core.registry import PluginError
 from modserve.server.chat_tokenizer import ChatTokenizer
 from modserve.server.async_engine import AsyncEngine
 from modserve.server.chat import chat_prompt, create_chat_completion
@@ -154,6 +155,13 @@ def _add_error_handlers(app: FastAPI) -> None:
         else:
             message = str(exc.detail)
         return APIError(exc.status_code, message).response()
+
+    @app.exception_handler(PluginError)
+    async def plugin_error(request: Request, exc: PluginError) -> Response:
+        # A plugin broke its contract outside the engine's step (a grammar backend's compile):
+        # its message names the plugin, which is what the operator must act on.
+        logger.error("plugin error in %s %s: %s", request.method, request.url.path, exc, exc_info=exc)
+        return APIError(500, str(exc), type="server_error", code="plugin_error").response()
 
     @app.exception_handler(Exception)
     async def unexpected(request: Request, exc: Exception) -> Response:

@@ -20,6 +20,7 @@ from typing import Any, Callable, Protocol
 
 from modserve.core.engine import LLMEngine
 from modserve.core.outputs import RequestOutput
+from modserve.core.registry import PluginError
 from modserve.core.sampling_params import SamplingParams
 
 logger = logging.getLogger("modserve.server")
@@ -30,6 +31,18 @@ Result = RequestOutput | BaseException
 
 class EngineError(RuntimeError):
     """The engine failed while running a request; the request is over, the server is not."""
+
+
+class PluginFailed(EngineError):
+    """A plugin broke its contract while running this request; the message (a PluginError's)
+    names it. The request is over, the server and the other requests are not."""
+
+
+def engine_error(e: Exception, what: str) -> EngineError:
+    """``e`` as the error a request ends with: a PluginError keeps its message (it names the plugin)."""
+    if isinstance(e, EngineError):
+        return e
+    return PluginFailed(str(e)) if isinstance(e, PluginError) else EngineError(f"{what}: {e}")
 
 
 class EngineDead(RuntimeError):
@@ -161,7 +174,8 @@ class AsyncEngine:
             self._waiting.discard(rid)
             if isinstance(result, RequestOutput) and result.error is not None:
                 # A fault inside a step, traced to this request alone: the others went on.
-                result = EngineError(f"the engine failed on this request: {result.error}")
+                result = (PluginFailed(result.error) if result.error_kind == "plugin"
+                          else EngineError(f"the engine failed on this request: {result.error}"))
             ended = isinstance(result, BaseException) or result.finished
             if ended:
                 del self._routes[rid]
@@ -183,7 +197,7 @@ class AsyncEngine:
                 outputs = engine.step()
             except Exception as e:  # one bad step must not take the server down
                 logger.exception("engine step failed; failing the requests in flight")
-                self._fail_all(EngineError(f"the engine failed: {e}"))
+                self._fail_all(engine_error(e, "the engine failed"))
                 continue
             if outputs:
                 self._emit([(o.request_id, o) for o in outputs])
@@ -212,8 +226,7 @@ class AsyncEngine:
                 engine.add_request(command.request_id, command.prompt_token_ids, command.params,
                                    command.arrival_time, command.priority)
             except Exception as e:  # goes to that request alone
-                error = e if isinstance(e, EngineError) else EngineError(f"the engine refused the request: {e}")
-                self._emit([(command.request_id, error)])
+                self._emit([(command.request_id, engine_error(e, "the engine refused the request"))])
         elif isinstance(command, _Abort):
             engine.abort_request(command.request_id)
         elif isinstance(command, _Stats):

@@ -15,7 +15,8 @@ from modserve.core.outputs import CompletionOutput, RequestOutput
 from modserve.core.sampling_params import SamplingParams
 from modserve.server.chat_tokenizer import ChatTokenizer
 from modserve.core.grammar import timeout_message
-from modserve.server.async_engine import AsyncEngine, EngineDead, EngineError, RequestStream, ShuttingDown
+from modserve.server.async_engine import (AsyncEngine, EngineDead, EngineError, PluginFailed, RequestStream,
+                                          ShuttingDown)
 from modserve.server.errors import APIError, invalid
 from modserve.server.tokenizer_pool import TokenizerPool
 
@@ -160,7 +161,10 @@ async def final_outputs(stream: RequestStream, request: Request) -> list[Request
 
 
 def engine_api_error(e: EngineError) -> APIError:
-    """What a client sees of a request the engine ended: no exception text (it is logged)."""
+    """What a client sees of a request the engine ended: no text of our own faults (it is
+    logged), but a plugin's error as it is: it names the plugin the operator must look at."""
+    if isinstance(e, PluginFailed):
+        return APIError(500, str(e), type="server_error", code="plugin_error")
     if isinstance(e, ShuttingDown):
         return APIError(503, "The server is shutting down and this request did not finish within "
                         "shutdown_timeout. Retry it on another replica.", type="server_error",
