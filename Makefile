@@ -1,4 +1,4 @@
-# make test   — set up .venv (torch CPU build pinned first) and run the test suite
+# make test   — set up .venv (torch CPU build pinned first, then the example plugin) and run the test suite
 # make serve  — set up and serve the built-in demo model on http://127.0.0.1:8000
 # make ab     — A/B the built-in attention backends and KV allocators on the tiny model (CI gate)
 PYTHON ?= python3
@@ -12,10 +12,21 @@ STAMP := $(VENV)/.installed
 $(PY):
 	$(PYTHON) -m venv $(VENV)
 
+# The example third-party plugin, installed (not editable) as a user would install it, so the
+# tests see it as a real distribution. Any change to its files re-runs the install (the package
+# folder itself is listed for files added or deleted).
+EXAMPLE := examples/modserve-example-plugin
+EXAMPLE_FILES := $(wildcard $(EXAMPLE)/pyproject.toml $(EXAMPLE)/README.md $(EXAMPLE)/modserve_example_plugin \
+	$(EXAMPLE)/modserve_example_plugin/*.py)
+
 # torch first, pinned through constraints.txt: an unpinned torch would pull a multi-GB CUDA build.
-$(STAMP): $(PY) pyproject.toml constraints.txt
+# The example after the project (it depends on modserve); its in-tree build/ goes first, or a
+# file deleted from the example would still be installed from there.
+$(STAMP): $(PY) pyproject.toml constraints.txt $(EXAMPLE_FILES)
 	$(PIP) install -q -c constraints.txt torch==2.13.0
 	$(PIP) install -q -c constraints.txt -e ".[test]"
+	rm -rf $(EXAMPLE)/build
+	$(PIP) install -q --no-deps --no-build-isolation ./$(EXAMPLE)
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -37,4 +48,4 @@ serve: install
 	$(VENV)/bin/modserve serve $(ARGS)
 
 clean:
-	rm -rf $(VENV) *.egg-info
+	rm -rf $(VENV) *.egg-info $(EXAMPLE)/build $(EXAMPLE)/*.egg-info
