@@ -10,20 +10,43 @@ ninja), :func:`load_kernel` says why once and the caller keeps its torch-ops pat
 are); ``-fopenmp``: ``at::parallel_for`` is inline OpenMP, so without it a kernel runs
 on one thread. ``csrc/`` here is on every kernel's include path, so any kernel may
 ``#include "claims.h"`` (work split by atomic claims instead of a static partition).
+
+Each build lives in its own folder under ``$MODSERVE_CACHE`` (default
+``~/.cache/modserve``)``/kernels``, named by a hash of the source, the headers, the flags,
+torch's version and the interpreter: two checkouts or venvs never rebuild each other's
+kernels, and a changed source never loads a stale library.
 """
 
 from __future__ import annotations
 
 import functools
+import hashlib
 import logging
 import os
 import shutil
+import sys
 import time
 from pathlib import Path
 
 logger = logging.getLogger("modserve")
 
 INCLUDE = Path(__file__).parent / "csrc"
+CFLAGS = ("-O3", "-march=native", "-fopenmp")
+LDFLAGS = ("-fopenmp",)
+
+
+def build_directory(name: str, source: str) -> Path:
+    """The cache folder of this exact build: same source, headers, flags, torch and Python."""
+    import torch
+
+    digest = hashlib.sha256()
+    code = Path(source).read_bytes() if Path(source).is_file() else source.encode()  # missing: the build says so
+    for part in (code, *(h.read_bytes() for h in sorted(INCLUDE.glob("*.h"))),
+                 " ".join(CFLAGS + LDFLAGS).encode(), torch.__version__.encode(), sys.executable.encode(),
+                 sys.version.encode()):
+        digest.update(part)
+    root = Path(os.environ.get("MODSERVE_CACHE", Path.home() / ".cache" / "modserve"))
+    return root / "kernels" / f"{name}-{digest.hexdigest()[:16]}"
 
 
 @functools.cache
@@ -38,8 +61,12 @@ def load_kernel(name: str, source: str) -> str | None:
             import ninja
 
             os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
+        folder = build_directory(name, source)
+        if not (folder / f"{name}.so").exists():
+            logger.info("building C++ kernel %s (once per source version; ~20 s on 2 cores) in %s", name, folder)
+        folder.mkdir(parents=True, exist_ok=True)
         cpp_extension.load(name=name, sources=[source], is_python_module=False, extra_include_paths=[str(INCLUDE)],
-                           extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"])
+                           extra_cflags=list(CFLAGS), extra_ldflags=list(LDFLAGS), build_directory=str(folder))
     except Exception as e:  # a missing compiler, ninja or headers: all mean the torch-ops path
         text = str(e).strip()
         last_line = text.splitlines()[-1] if text else repr(e)
