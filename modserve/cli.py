@@ -1,4 +1,4 @@
-"""The ``modserve`` command: plugins, conformance, generate (and serve, bench, compare as they land)."""
+"""The ``modserve`` command: serve, generate, bench, compare, plan, plugins, conformance."""
 
 from __future__ import annotations
 
@@ -14,36 +14,190 @@ import yaml
 if TYPE_CHECKING:
     from pydantic.fields import FieldInfo
 
+    from modserve.core.config import EngineConfig
     from modserve.core.registry import Registration, Registry
 
+logger = logging.getLogger("modserve")
 
-def add_config_flags(parser: argparse.ArgumentParser) -> None:
-    """``--config FILE`` plus one flag per EngineConfig field (``--max-model-len 512``).
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+# One spelling per concept across commands; these others are kept as aliases.
+FLAG_ALIASES: dict[str, tuple[str, ...]] = {"num_threads": ("--threads",)}
+# Taken as typed, never read as YAML (`--served-model-name on` is a name, not a boolean).
+TEXT_FIELDS = ("model", "tokenizer", "served_model_name", "device", "chat_template")
 
-    Values are parsed as YAML scalars/mappings, so ``--attention-backend reference``
-    and ``--scheduler '{name: fcfs, options: {}}'`` both work.
+
+class Parser(argparse.ArgumentParser):
+    """Every modserve parser and subparser: no abbreviations (``--max-num-seq`` is an error,
+    not ``--max-num-seqs``), and ``--log-level`` before or after the subcommand."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs["allow_abbrev"] = False
+        super().__init__(*args, **kwargs)
+        self.add_argument("--log-level", type=str.upper, choices=LOG_LEVELS, default=argparse.SUPPRESS,
+                          help="logging level (default: INFO)")
+
+
+def add_config_flags(parser: argparse.ArgumentParser, config_file: bool = True, positional_model: bool = False,
+                     title: str = "engine config (override the file)") -> None:
+    """``--config FILE`` plus one flag per EngineConfig field (``--max-model-len 512``), and
+    vLLM's spellings of the same settings (``--enable-prefix-caching``, ``-tp 1``).
+
+    Values of modserve's flags are parsed as YAML scalars/mappings, so ``--attention-backend
+    reference`` and ``--scheduler '{name: fcfs, options: {}}'`` both work.
     """
     from modserve.core.config import EngineConfig
+    from modserve.vllm_compat import VLLM_OPTIONS
 
-    parser.add_argument("--config", help="YAML or TOML engine config file")
-    group = parser.add_argument_group("engine config (override the file)")
+    if positional_model:
+        parser.add_argument("model_tag", nargs="?", metavar="MODEL",
+                            help="checkpoint directory, as in `vllm serve MODEL` (the same as --model)")
+    if config_file:
+        parser.add_argument("--config", help="YAML or TOML engine config file (a `vllm serve` YAML file works)")
+    group = parser.add_argument_group(title)
     for name, field in EngineConfig.model_fields.items():
-        group.add_argument("--" + name.replace("_", "-"), dest=f"cfg_{name}", metavar="VALUE",
-                           help=field.description or None)
+        metavar, help_text = field_help(name, field)
+        extra: dict[str, Any] = {"nargs": "+"} if name == "served_model_name" else {}
+        group.add_argument("--" + name.replace("_", "-"), *FLAG_ALIASES.get(name, ()), dest=f"cfg_{name}",
+                           metavar=metavar, help=help_text, **extra)
+    vllm = parser.add_argument_group("vLLM's spellings", "mapped onto the settings above, refused with the "
+                                     "reason, or ignored with a warning (docs/configuration.md)")
+    for option in VLLM_OPTIONS:
+        kwargs = dict(option.arg)
+        if kwargs.get("action") == "BooleanOptionalAction":
+            kwargs["action"] = argparse.BooleanOptionalAction
+        flags = ["--" + option.key.replace("_", "-"), *([option.short] if option.short else [])]
+        what = {"mapped": "= ", "refused": _refused_unless(option.default), "ignored": "ignored: "}[option.kind]
+        vllm.add_argument(*flags, dest=f"vllm_{option.key}", default=None,
+                          help=(what + option.maps_to).replace("%", "%%"), **kwargs)
 
 
-def config_from_args(args: argparse.Namespace) -> Any:
-    from modserve.core.config import EngineConfig, load_config_file
+def _refused_unless(default: Any) -> str:
+    if default is None or isinstance(default, bool):
+        return "refused: "
+    values = default if isinstance(default, tuple) else (default,)
+    return f"refused unless {' or '.join(map(str, values))}: "
 
-    data = load_config_file(args.config) if args.config else {}
-    overrides = {
-        key[4:]: yaml.safe_load(value)
-        for key, value in vars(args).items()
-        if key.startswith("cfg_") and value is not None
-    }
-    if "model" in overrides:
-        overrides["model"] = str(overrides["model"])
-    return EngineConfig.from_dict(data, **overrides)
+
+def field_help(name: str, field: FieldInfo) -> tuple[str, str]:
+    """(metavar, help) of an EngineConfig field's flag: its type or choices, and its default."""
+    import typing
+
+    from pydantic_core import PydanticUndefined
+
+    from modserve.core.config import PluginChoice, SpeculativeConfig
+
+    args = [a for a in typing.get_args(field.annotation) if a is not type(None)] or [field.annotation]
+    if typing.get_origin(field.annotation) is typing.Literal:
+        choices = list(typing.get_args(field.annotation))
+        metavar = "{" + ",".join(choices) + "}"
+    elif PluginChoice in args:
+        metavar = "NAME|MAPPING"
+    elif SpeculativeConfig in args:
+        metavar = "MAPPING"
+    else:
+        metavar = {int: "INT", float: "FLOAT", bool: "BOOL"}.get(args[0], "PATH" if name in ("model", "tokenizer")
+                                                                  else "TEXT")
+    default = field.default
+    if default is PydanticUndefined:
+        shown = "required"
+    elif default is None:
+        shown = "unset"
+    elif isinstance(default, PluginChoice):
+        shown = default.name
+    else:
+        shown = str(default).lower() if isinstance(default, bool) else str(default)
+    note = "; booleans work too" if metavar == "{auto,on,off}" else ""
+    text = field.description or ""
+    if not (default is None and "default" in text.lower()):  # it says the default in words
+        text += f" (default: {shown}{note})"
+    return metavar, text.replace("%", "%%")
+
+
+def engine_overrides(args: argparse.Namespace) -> dict[str, Any]:
+    """The engine settings the command line gave: modserve's keys (values read as YAML) and
+    vLLM's (typed by argparse), for :func:`modserve.vllm_compat.engine_config`."""
+    out: dict[str, Any] = {}
+    for key, value in vars(args).items():
+        if value is None:
+            continue
+        if key.startswith("cfg_"):
+            name = key[4:]
+            out[name] = value if name in TEXT_FIELDS else _yaml_value(name, value)
+        elif key.startswith("vllm_"):
+            out[key[5:]] = value
+    model = getattr(args, "model_tag", None)
+    if model is not None:
+        if out.get("model", model) != model:
+            raise ValueError(f"two models given: MODEL {model} and --model {out['model']}")
+        out["model"] = model
+    return out
+
+
+def _yaml_value(name: str, text: str) -> Any:
+    from modserve.core.config import yaml_error
+
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        raise ValueError(f"--{name.replace('_', '-')} {text!r}: {yaml_error(e)}") from None
+
+
+def config_from_args(args: argparse.Namespace) -> EngineConfig:
+    """The EngineConfig of ``--config`` and the engine flags (flags win), logged as selected.
+    A file's server keys (``port: 8001`` in a vLLM config) fill the command's flags of that name."""
+    from modserve.core.config import load_config_file
+    from modserve.vllm_compat import SERVER_KEYS, engine_config
+
+    data = load_config_file(args.config) if getattr(args, "config", None) else {}
+    for key in SERVER_KEYS:
+        if key not in data:
+            continue
+        value = data.pop(key)
+        if not hasattr(args, key):
+            logger.warning("config key %s is a setting of `modserve serve`; ignored here", key)
+        elif getattr(args, key) is None:
+            setattr(args, key, value)
+    config = engine_config(data, **engine_overrides(args))
+    log_selection(config)
+    return config
+
+
+def log_selection(config: EngineConfig, label: str = "") -> None:
+    """One line: the implementation selected for each kind, third-party ones with their distribution."""
+    from modserve.core.registry import BUILTIN_DISTRIBUTION, get_registry
+
+    checkpoint = _checkpoint_config(config.model)
+    quantizer = config.quantization.name if config.quantization else \
+        (checkpoint.get("quantization_config") or {}).get("quant_method")
+    architecture = (checkpoint.get("architectures") or [None])[0]
+    chosen = {"platform": config.platform_choice().name, "model_architecture": architecture,
+              "attention_backend": config.attention_backend.name, "kv_allocator": config.kv_allocator.name,
+              "scheduler": config.scheduler.name, "sampler": config.sampler.name, "quantizer": quantizer,
+              "grammar_backend": config.grammar_backend.name,
+              "proposer": config.speculative.proposer.name if config.speculative else None}
+    registry = get_registry()
+    parts = []
+    for kind, name in chosen.items():
+        if name is None:
+            parts.append(f"{kind}=none")
+            continue
+        try:
+            reg = registry.get(kind, name)
+        except ValueError:  # grammar_backend auto, or an unknown name (the engine's check says so)
+            parts.append(f"{kind}={name}")
+            continue
+        dist = "" if reg.distribution == BUILTIN_DISTRIBUTION else f" ({reg.distribution} {reg.version})"
+        parts.append(f"{kind}={name}{dist}")
+    logger.info("%sselected: %s", f"{label}: " if label else "", ", ".join(parts))
+
+
+def _checkpoint_config(model_dir: str) -> dict[str, Any]:
+    from pathlib import Path
+
+    try:
+        return json.loads((Path(model_dir) / "config.json").read_text())
+    except (OSError, ValueError):
+        return {}
 
 
 def cmd_plugins(args: argparse.Namespace) -> int:
@@ -163,13 +317,20 @@ def format_listing(info: list[dict[str, Any]], width: int = 100) -> list[str]:
 
 def cmd_generate(args: argparse.Namespace) -> int:
     from modserve import LLM, SamplingParams
+    from modserve.server.cli import use_demo_model
 
+    if not args.config and args.cfg_model is None and args.model_tag is None:
+        use_demo_model(args)  # as `modserve serve` does
     config = config_from_args(args)
     llm = LLM(config=config)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
                             seed=args.sample_seed)
-    for out in llm.generate(args.prompt, params):
-        print(out.outputs[0].text)
+    outputs = llm.generate(args.prompt, params)
+    if len(outputs) == 1:
+        print(outputs[0].outputs[0].text)
+        return 0
+    for prompt, out in zip(args.prompt, outputs):  # labelled, as vLLM's examples print them
+        print(f"Prompt: {prompt!r}, Generated text: {out.outputs[0].text!r}")
     return 0
 
 
@@ -232,8 +393,10 @@ SUBCOMMAND_MODULES: tuple[str, ...] = ("modserve.server.cli", "modserve.bench.cl
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="modserve", description=__doc__)
-    parser.add_argument("--log-level", default="INFO")
+    from modserve import __version__
+
+    parser = Parser(prog="modserve", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"modserve {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("plugins", help="list installed plugins and what each registered")
@@ -247,8 +410,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="an implementation to check, e.g. scheduler:fcfs")
     p.set_defaults(func=cmd_conformance, pytest_args=[])
 
-    p = sub.add_parser("generate", help="generate text offline for one or more prompts")
-    add_config_flags(p)
+    p = sub.add_parser("generate", help="generate text offline for one or more prompts",
+                       description="Generate text offline. With neither --config nor a model, runs the "
+                                   "built-in demo model (random weights: its text is random).")
+    add_config_flags(p, positional_model=True)
     p.add_argument("--prompt", action="append", required=True, help="repeat for several prompts")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=0.0)
@@ -265,7 +430,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if pytest_args:
         args.pytest_args = pytest_args
-    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    args.log_level = getattr(args, "log_level", "INFO")
+    logging.basicConfig(level=args.log_level, format="%(levelname)s %(name)s: %(message)s")
     try:
         return args.func(args)
     except ValueError as e:

@@ -11,6 +11,7 @@ import logging
 import math
 import platform
 import sys
+import time
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -35,7 +36,7 @@ def add_parsers(sub: Any) -> None:
                    help="also run these, interleaved: transformers generate (hf), an installed vLLM (vllm)")
     p.add_argument("--hf-batch-size", type=int, default=16, help="static batch size of the hf baseline")
     _add_vllm_flags(p)
-    p.add_argument("--output-json", help="write every run's figures here")
+    add_output_flags(p, "every run's figures")
     p.set_defaults(func=cmd_throughput)
 
     p = kinds.add_parser("latency", help="offline: single-stream TTFT and time per output token")
@@ -47,13 +48,22 @@ def add_parsers(sub: Any) -> None:
     p.add_argument("--baseline", choices=["vllm"], help="also run an installed vLLM, interleaved")
     _add_vllm_flags(p)
     add_pinning_flags(p)
-    p.add_argument("--output-json", help="write every run's figures here")
+    add_output_flags(p, "every run's figures")
     p.set_defaults(func=cmd_latency)
 
     p = kinds.add_parser("serve", help="load-test an OpenAI-compatible server")
-    p.add_argument("--base-url", required=True, help="e.g. http://127.0.0.1:8000")
-    p.add_argument("--endpoint", default="/v1/completions", help="or /v1/chat/completions")
-    p.add_argument("--model", help="model name to request (default: the first of /v1/models)")
+    p.add_argument("--base-url", help="e.g. http://127.0.0.1:8000 (default: http://HOST:PORT)")
+    p.add_argument("--host", default="127.0.0.1", help="the server's host, without --base-url")
+    p.add_argument("--port", type=int, default=8000, help="the server's port, without --base-url")
+    p.add_argument("--backend", choices=["vllm", "openai", "openai-chat"], default="openai",
+                   help="vLLM's spelling of the endpoint: openai-chat means /v1/chat/completions")
+    p.add_argument("--endpoint", default=None,
+                   help="/v1/completions or /v1/chat/completions (default: the --backend's)")
+    p.add_argument("--ignore-eos", action="store_true",
+                   help="always on: every request generates exactly its output length (vLLM's flag)")
+    p.add_argument("--model", help="model name to request (default: the first of /v1/models); a checkpoint "
+                                   "directory is the tokenizer too, unless --tokenizer says otherwise")
+    p.add_argument("--served-model-name", help="vLLM's: the name to request, when --model is the checkpoint")
     p.add_argument("--tokenizer", help="tokenizer directory: the vocabulary of random workloads, "
                                        "reply lengths of ShareGPT files")
     add_workload_flags(p, num_prompts=64)
@@ -65,8 +75,8 @@ def add_parsers(sub: Any) -> None:
                    help="SLOs a request must meet to count towards goodput: ttft:MS tpot:MS e2el:MS")
     p.add_argument("--seed", type=int, default=0, help="seed of the arrival times")
     p.add_argument("--request-timeout", type=float, default=600.0)
-    add_pinning_flags(p, warmups="warm-up requests sent (one at a time) before each timed run", threads=False)
-    p.add_argument("--result-json", help="write the full result (every request's timings) here")
+    add_pinning_flags(p, warmups="warm-up requests sent (one at a time) before each timed run")
+    add_output_flags(p, "the full result (every request's timings)")
     p.add_argument("--baseline-url", help="a second server (vLLM, say) run interleaved with the first, "
                    "the same workload and arrivals: both columns, their ratio, and latency CDFs in a PNG")
     p.add_argument("--names", nargs=2, default=["server", "baseline"], metavar=("FIRST", "BASELINE"),
@@ -77,7 +87,7 @@ def add_parsers(sub: Any) -> None:
     p = sub.add_parser("compare", help="A/B two engine configs: agreement, logits, speed")
     p.add_argument("config_a")
     p.add_argument("config_b")
-    p.add_argument("--model", help="model directory for both configs (overrides theirs)")
+    add_config_flags(p, config_file=False, title="engine config (applied to both configs; --model: the model of both)")
     add_workload_flags(p, num_prompts=16)
     add_pinning_flags(p)
     p.add_argument("--probe-prompts", type=int, default=4, help="prompts whose logits are compared")
@@ -93,14 +103,38 @@ def add_parsers(sub: Any) -> None:
     p.add_argument("--model", required=True, help="checkpoint directory or its config.json")
     p.add_argument("--hardware", choices=HARDWARE_CHOICES, default="h100")
     p.add_argument("--dtype", help="weights: float32, bfloat16, float16, fp8, int8, int4 (default: the checkpoint's)")
-    p.add_argument("--kv-dtype", help="KV cache values (default: the weights', at least bfloat16)")
+    p.add_argument("--kv-cache-dtype", "--kv-dtype", dest="kv_dtype",
+                   help="KV cache values: fp8 (fp8_e4m3), bfloat16, ... (default: the weights', at least bfloat16)")
     p.add_argument("--quantization", help="quantizer (int8, fp8, awq, gptq): weights as it stores them, "
                                           "--dtype for the rest (needs a checkpoint directory)")
-    p.add_argument("--tp", type=int, default=1, help="tensor-parallel devices")
+    p.add_argument("--tensor-parallel-size", "-tp", "--tp", dest="tp", type=int, default=1,
+                   help="tensor-parallel devices")
     p.add_argument("--context-len", type=int, default=0, help="tokens of KV each decode step reads")
-    p.add_argument("--memory-fraction", type=float, default=0.9, help="of device memory for weights + KV")
+    p.add_argument("--gpu-memory-utilization", "--memory-fraction", dest="memory_fraction", type=float,
+                   default=0.9, help="of device memory for weights + KV")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_plan)
+
+
+def add_output_flags(p: argparse.ArgumentParser, what: str) -> None:
+    """``--output-json PATH`` (``--result-json`` is an alias), and vLLM's ``--save-result``
+    with ``--result-dir`` and ``--result-filename``."""
+    g = p.add_argument_group("result file")
+    g.add_argument("--output-json", "--result-json", dest="output_json", metavar="PATH", help=f"write {what} here")
+    g.add_argument("--save-result", action="store_true",
+                   help="vLLM's: write it to --result-dir/--result-filename (default: a timestamped name)")
+    g.add_argument("--result-dir", default=None, help="vLLM's: the folder of --save-result (default: .)")
+    g.add_argument("--result-filename", default=None, help="vLLM's: the file name (implies --save-result)")
+
+
+def output_path(args: argparse.Namespace, kind: str) -> str | None:
+    """Where the result goes: ``--output-json``, else vLLM's ``--result-dir``/``--result-filename``."""
+    if args.output_json:
+        return args.output_json
+    if not (args.save_result or args.result_filename):
+        return None
+    name = args.result_filename or f"modserve-bench-{kind}-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    return str(Path(args.result_dir or ".") / name)
 
 
 def _add_vllm_flags(p: argparse.ArgumentParser) -> None:
@@ -198,7 +232,7 @@ def cmd_throughput(args: argparse.Namespace) -> int:
         print(_ratio_line(figures, runner.name, "output tok/s"))
         label = f"hf (batch {args.hf_batch_size})" if runner.name == "hf" else runner.name
         print(_agreement_line(runs, runner.name, label))
-    _write_json(args.output_json, figures)
+    _write_json(output_path(args, "throughput"), figures)
     return 0
 
 
@@ -247,7 +281,7 @@ def cmd_latency(args: argparse.Namespace) -> int:
               f"ceiling of {p.decode_ceiling_tok_s:.1f} tok/s ({p.bandwidth / 1e9:.1f} GB/s over "
               f"{p.weight_bytes / 2**20:.0f} MiB of weights + KV per step)")
         result["ceiling_tok_s"] = p.decode_ceiling_tok_s
-    _write_json(args.output_json, result)
+    _write_json(output_path(args, "latency"), result)
     return 0
 
 
@@ -264,14 +298,18 @@ def cmd_serve(args: argparse.Namespace) -> int:
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request otherwise
     pinning = pin(args)
     tokenizer = None
-    if args.tokenizer:
+    # as vLLM's bench: --model is the tokenizer too when it is a checkpoint directory
+    tokenizer_dir = args.tokenizer or (args.model if args.model and Path(args.model).is_dir() else None)
+    if tokenizer_dir:
         from transformers import AutoTokenizer
 
-        tokenizer = AutoTokenizer.from_pretrained(args.tokenizer, local_files_only=True)
+        tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir, local_files_only=True)
     requests = load_workload(args, tokenizer)
-    urls = dict(zip(args.names, [args.base_url, args.baseline_url])) if args.baseline_url \
-        else {"server": args.base_url}
-    settings = {name: ServeSettings(url, args.endpoint, args.model, args.request_rate, args.burstiness,
+    base_url = args.base_url or f"http://{args.host}:{args.port}"
+    endpoint = args.endpoint or ("/v1/chat/completions" if args.backend == "openai-chat" else "/v1/completions")
+    urls = dict(zip(args.names, [base_url, args.baseline_url])) if args.baseline_url else {"server": base_url}
+    model = args.served_model_name or args.model
+    settings = {name: ServeSettings(url, endpoint, model, args.request_rate, args.burstiness,
                                     args.max_concurrency, args.warmups, slos, args.seed, args.request_timeout)
                 for name, url in urls.items()}
     results: dict[str, list[dict[str, Any]]] = {name: [] for name in urls}
@@ -285,7 +323,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         return 2
     for name, url in urls.items():
         first = results[name][0]
-        print(f"{name}: {url}{args.endpoint}, model {first['model']}")
+        print(f"{name}: {url}{endpoint}, model {first['model']}")
     first = next(iter(results.values()))[0]
     rate = "all at once" if first["request_rate"] is None else f"{first['request_rate']} req/s"
     print(f"client: {pinning}")
@@ -304,9 +342,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
         Path(args.plot).parent.mkdir(parents=True, exist_ok=True)
         plot_compare(args.plot, {name: serve_latencies(per_server) for name, per_server in results.items()},
-                     {name: [r["output_throughput"] for r in per_server] for name, per_server in results.items()})
+                     {name: [r["output_throughput"] for r in per_server] for name, per_server in results.items()},
+                     f"bench serve: {' vs '.join(results)}" + (f" on {args.model}" if args.model else ""))
         print(f"wrote {args.plot}")
-    _write_json(args.result_json, {name: {"runs": per_server} for name, per_server in results.items()}
+    _write_json(output_path(args, "serve"), {name: {"runs": per_server} for name, per_server in results.items()}
                 if args.baseline_url else {"runs": results["server"]})
     return 0 if not failed else 1
 
@@ -327,11 +366,15 @@ def cmd_compare(args: argparse.Namespace) -> int:
     from modserve import LLM
     from modserve.bench.compare import compare, labels_for, verdict, write_report
     from modserve.bench.workloads import load_workload, tokenize
-    from modserve.core.config import EngineConfig
+    from modserve.cli import engine_overrides, log_selection
+    from modserve.core.config import load_config_file
+    from modserve.vllm_compat import engine_config
 
     pinning = pin(args)
-    overrides = {"model": args.model} if args.model else {}
-    configs = [EngineConfig.from_file(path, **overrides) for path in (args.config_a, args.config_b)]
+    overrides = engine_overrides(args)  # the engine flags, applied to both
+    configs = [engine_config(load_config_file(path), **overrides) for path in (args.config_a, args.config_b)]
+    for label, config in zip("AB", configs):
+        log_selection(config, label)
     llm_a, llm_b = (LLM(config=c, progress=False) for c in configs)
     tok = llm_a.get_tokenizer()
     requests = tokenize(load_workload(args, tok.hf), tok)
@@ -343,7 +386,8 @@ def cmd_compare(args: argparse.Namespace) -> int:
                f"`{labels[1]}`: {_changed(configs[1], configs[0])}",
                *(f"- {line}" for line in _header(llm_a, pinning)),
                f"- {_workload_line(args, requests)}"]
-    path = write_report(result, args.out_dir, f"A/B: {labels[0]} vs {labels[1]}", context, failures)
+    path = write_report(result, args.out_dir, f"A/B: {labels[0]} vs {labels[1]}", context, failures,
+                        model=Path(configs[0].model).name)
     print(path.read_text())
     print(f"wrote {path} and {path.with_suffix('.png')}")
     if failures:

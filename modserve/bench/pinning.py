@@ -15,29 +15,29 @@ def parse_cpus(spec: str) -> set[int]:
     return cpus
 
 
-def add_pinning_flags(parser: argparse.ArgumentParser, warmups: str = "untimed runs first",
-                      threads: bool = True) -> None:
+def add_pinning_flags(parser: argparse.ArgumentParser, warmups: str = "untimed runs first") -> None:
+    """``--repeats``, ``--warmups`` (vLLM's ``--num-iters``, ``--num-warmups``, ``--num-iters-warmup``
+    are aliases) and ``--cpus``. Torch threads are the engine flag ``--num-threads`` (``--threads``)."""
     g = parser.add_argument_group("repeats and pinning")
-    g.add_argument("--repeats", type=int, default=3, help="timed runs; figures are median [min-max]")
-    g.add_argument("--warmups", type=int, default=1, help=warmups)
-    if threads:
-        g.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
+    g.add_argument("--repeats", "--num-iters", type=int, default=3, help="timed runs; figures are median [min-max]")
+    g.add_argument("--warmups", "--num-warmups", "--num-iters-warmup", type=int, default=1, help=warmups)
     g.add_argument("--cpus", default=None, help="pin the process to these cores, e.g. 0-3")
 
 
 def pin(args: argparse.Namespace) -> str:
-    """Apply ``--cpus`` and ``--threads`` (if the command has it); returns a line saying what
-    the run uses. Commands without ``--threads`` run no torch and don't import it."""
+    """Apply ``--cpus`` and the engine flag ``--num-threads`` (if the command has engine flags);
+    returns a line saying what the run uses. Commands without engine flags run no torch and
+    don't import it."""
     if args.cpus:
         os.sched_setaffinity(0, parse_cpus(args.cpus))
     cores = sorted(os.sched_getaffinity(0))
     where = f"{len(cores)} cores ({_ranges(cores)})"
-    if not hasattr(args, "threads"):
+    if not hasattr(args, "cfg_num_threads"):
         return where
     import torch
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    if args.cfg_num_threads:
+        torch.set_num_threads(int(args.cfg_num_threads))
     return f"{torch.get_num_threads()} torch threads on {where}"
 
 

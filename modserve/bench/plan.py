@@ -27,7 +27,7 @@ from typing import Any
 
 DTYPE_BYTES = {"float32": 4.0, "bfloat16": 2.0, "float16": 2.0, "fp8": 1.0, "int8": 1.0, "int4": 0.5}
 _ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16",
-            "float8": "fp8", "float8_e4m3fn": "fp8"}
+            "float8": "fp8", "float8_e4m3fn": "fp8", "fp8_e4m3": "fp8"}
 
 
 @dataclass(frozen=True, slots=True)

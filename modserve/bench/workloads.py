@@ -117,19 +117,31 @@ def tokenize(requests: Sequence[BenchRequest], tokenizer: Any) -> list[BenchRequ
             else BenchRequest(r.prompt, tokenizer.encode(r.prompt), r.output_len) for r in requests]
 
 
+def workload_kind(value: str) -> str:
+    """``--workload`` / ``--dataset-name``: vLLM spells ``prefix_repetition`` with an underscore."""
+    return value.replace("_", "-")
+
+
 def add_workload_flags(parser: argparse.ArgumentParser, num_prompts: int = 64) -> None:
+    """The workload flags; each also answers to vLLM's ``bench`` spelling (``--dataset-name``,
+    ``--random-input-len``, ...)."""
     g = parser.add_argument_group("workload")
-    g.add_argument("--workload", choices=KINDS, default="default",
+    g.add_argument("--workload", "--dataset-name", type=workload_kind, choices=KINDS, default="default",
                    help="default: 128 real ShareGPT prompts shipped with modserve")
-    g.add_argument("--workload-path", help="file for custom (JSONL) and sharegpt (JSON)")
+    g.add_argument("--workload-path", "--dataset-path", help="file for custom (JSONL) and sharegpt (JSON)")
     g.add_argument("--num-prompts", type=int, default=num_prompts)
-    g.add_argument("--input-len", type=int, default=128, help="random: prompt tokens")
-    g.add_argument("--output-len", type=int, default=None,
+    g.add_argument("--input-len", "--random-input-len", type=int, default=128, help="random: prompt tokens")
+    g.add_argument("--output-len", "--random-output-len", "--sharegpt-output-len", "--custom-output-len",
+                   "--prefix-repetition-output-len", type=int, default=None,
                    help="output tokens (random: default 64; others: overrides the file's)")
-    g.add_argument("--range-ratio", type=float, default=0.0, help="random: lengths vary by ± this fraction")
-    g.add_argument("--prefix-len", type=int, default=0, help="random: shared prefix; prefix-repetition: prefix")
-    g.add_argument("--suffix-len", type=int, default=64, help="prefix-repetition: per-request suffix")
-    g.add_argument("--num-prefixes", type=int, default=4, help="prefix-repetition: distinct prefixes")
+    g.add_argument("--range-ratio", "--random-range-ratio", type=float, default=0.0,
+                   help="random: lengths vary by ± this fraction")
+    g.add_argument("--prefix-len", "--random-prefix-len", "--prefix-repetition-prefix-len", type=int, default=0,
+                   help="random: shared prefix; prefix-repetition: prefix")
+    g.add_argument("--suffix-len", "--prefix-repetition-suffix-len", type=int, default=64,
+                   help="prefix-repetition: per-request suffix")
+    g.add_argument("--num-prefixes", "--prefix-repetition-num-prefixes", type=int, default=4,
+                   help="prefix-repetition: distinct prefixes")
     g.add_argument("--workload-seed", type=int, default=0)
 
 

@@ -1,12 +1,14 @@
 """EngineConfig: every setting of an engine, validated at the boundary.
 
 Loaded from YAML or TOML, then overridden by CLI flags or ``LLM(...)`` keywords.
-Unknown keys are errors naming the key.
+Unknown keys are errors naming the key. vLLM's names for the same settings are the
+front door's (:mod:`modserve.vllm_compat`); files may spell keys with dashes, as vLLM's do.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import tomllib
 from pathlib import Path
 from typing import Any, Literal
@@ -45,7 +47,9 @@ class EngineConfig(BaseModel):
 
     model: str = Field(description="Path to a Hugging Face checkpoint directory")
     tokenizer: str | None = Field(None, description="Tokenizer directory (default: the model's)")
-    served_model_name: str | None = Field(None, description="Name reported by the API (default: the model path)")
+    served_model_name: str | list[str] | None = Field(
+        None, description="Name reported by the API (default: the model path); a list: the first is reported, "
+        "each is accepted in requests")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto", description="Compute dtype; auto: the checkpoint's on GPU, float32 on CPU")
     quantization: PluginChoice | None = Field(
@@ -54,7 +58,8 @@ class EngineConfig(BaseModel):
     max_model_len: int | None = Field(None, gt=0, description="Default: the model's max_position_embeddings")
     block_size: int = Field(16, gt=0, description="Tokens per KV block")
     kv_cache_dtype: Literal["auto", "fp8_e4m3"] = Field(
-        "auto", description="KV cache values: auto (the compute dtype) or fp8_e4m3 with per-tensor scales")
+        "auto", description="KV cache values: auto (the compute dtype) or fp8_e4m3 (vLLM's fp8) with "
+        "per-tensor scales")
     kv_cache_memory_gb: float | None = Field(None, gt=0, description="KV cache size; wins over the fraction")
     kv_cache_memory_fraction: float = Field(0.2, gt=0, le=0.95, description="Fraction of free memory for KV")
     num_kv_blocks: int | None = Field(None, gt=0, description="Exact block count (overrides both sizes)")
@@ -76,6 +81,9 @@ class EngineConfig(BaseModel):
     shutdown_timeout: float = Field(
         30.0, ge=0, description="Server: on SIGTERM/SIGINT, seconds to let requests in flight finish; then "
         "streams end with an error event and [DONE], others get 503")
+    chat_template: str | None = Field(
+        None, description="Server chat and LLM.chat: a Jinja chat template, inline or a file's path, instead of "
+        "the tokenizer's")
     allow_special_tokens_in_content: bool = Field(
         False, description="Server chat: let special-token text in message content (<|im_start|>...) become "
         "control tokens; off, it is encoded as plain text so a user cannot forge a turn")
@@ -119,6 +127,37 @@ class EngineConfig(BaseModel):
             raise ValueError(f"model directory does not exist: {value}")
         return str(path)
 
+    @field_validator("compile", "prepack_weights", mode="before")
+    @classmethod
+    def _on_off(cls, value: Any) -> Any:
+        # YAML reads on/off/yes/no/true/false as booleans: `compile: off` means "off"
+        return {True: "on", False: "off"}[value] if isinstance(value, bool) else value
+
+    @field_validator("served_model_name")
+    @classmethod
+    def _names(cls, value: str | list[str] | None) -> str | list[str] | None:
+        if isinstance(value, list) and len(value) < 2:
+            if not value:
+                raise ValueError("give at least one name")
+            return value[0]
+        return value
+
+    @field_validator("chat_template")
+    @classmethod
+    def _template_readable(cls, value: str | None) -> str | None:
+        if value is not None:
+            chat_template_text(value)  # a missing file fails now, not at the first chat request
+        return value
+
+    def served_model_names(self) -> list[str]:
+        """The names the API answers to; the first is the one it reports."""
+        names = self.served_model_name or self.model
+        return [names] if isinstance(names, str) else list(names)
+
+    def chat_template_text(self) -> str | None:
+        """``chat_template`` as Jinja text (read, when it names a file), or None: the tokenizer's."""
+        return chat_template_text(self.chat_template) if self.chat_template else None
+
     def platform_choice(self) -> PluginChoice:
         """``platform``, else the built-in named after the device's type (``cuda:1`` -> cuda)."""
         return self.platform or PluginChoice(name=self.device.partition(":")[0])
@@ -138,19 +177,45 @@ class EngineConfig(BaseModel):
 
 
 def load_config_file(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """The file's top-level mapping, keys with dashes spelled with underscores. A syntax
+    error is one ValueError line: file, line, column, the problem."""
     path = Path(path)
     if not path.is_file():
         raise ValueError(f"config file not found: {path}")
     text = path.read_text()
     if path.suffix == ".toml":
-        data = tomllib.loads(text)
+        try:
+            data = tomllib.loads(text)
+        except tomllib.TOMLDecodeError as e:
+            raise ValueError(_toml_error(path, e)) from None
     elif path.suffix in (".yaml", ".yml", ".json"):
-        data = yaml.safe_load(text) or {}
+        try:
+            data = yaml.safe_load(text) or {}
+        except yaml.YAMLError as e:
+            raise ValueError(f"config file {path}: {yaml_error(e)}") from None
     else:
         raise ValueError(f"config file {path} must end in .yaml, .yml, .toml or .json")
     if not isinstance(data, dict):
         raise ValueError(f"config file {path} must hold a mapping at the top level")
-    return data
+    return {str(k).replace("-", "_"): v for k, v in data.items()}
+
+
+def yaml_error(e: yaml.YAMLError) -> str:
+    """``line 3, column 7: mapping values are not allowed here`` from PyYAML's many-line error."""
+    mark = getattr(e, "problem_mark", None) or getattr(e, "context_mark", None)
+    problem = getattr(e, "problem", None) or str(e)
+    context = getattr(e, "context", None)
+    text = problem + (f" ({context})" if context and context != problem else "")
+    where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""
+    return where + " ".join(text.split())
+
+
+def _toml_error(path: Path, e: tomllib.TOMLDecodeError) -> str:
+    msg = str(e)
+    found = re.search(r"\s*\(at line (\d+), column (\d+)\)$", msg)
+    if found:
+        return f"config file {path}: line {found[1]}, column {found[2]}: {msg[:found.start()]}"
+    return f"config file {path}: {msg}"
 
 
 def describe_validation_error(e: ValidationError, what: str = "config key") -> str:
@@ -161,5 +226,18 @@ def describe_validation_error(e: ValidationError, what: str = "config key") -> s
         if err["type"] == "extra_forbidden":
             lines.append(f"unknown {what} {where!r}")
         else:
-            lines.append(f"{where}: {err['msg']}")
+            value = err.get("input")
+            got = f" (got {value!r})" if isinstance(value, (str, int, float, bool)) and err["type"] != "value_error" \
+                else ""
+            lines.append(f"{where}: {err['msg'].removeprefix('Value error, ')}{got}")
     return "; ".join(lines)
+
+
+def chat_template_text(value: str) -> str:
+    """A chat template given inline (Jinja: it holds ``{{`` or ``{%``) or as a file's path, as text."""
+    if "{{" in value or "{%" in value:
+        return value
+    try:
+        return Path(value).expanduser().read_text()
+    except OSError as e:
+        raise ValueError(f"{value!r} is no Jinja template and no readable file ({e.strerror or e})") from None

@@ -30,6 +30,8 @@ class LLM:
         config = EngineConfig.from_dict(data, **overrides)
         self.config = config
         self.engine = LLMEngine(config, registry=registry, progress=progress)
+        if config.chat_template:  # for chat(), as the server's tokenizers take it
+            self.engine.tokenizer.hf.chat_template = config.chat_template_text()
         self._ids = count()
 
     @classmethod

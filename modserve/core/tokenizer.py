@@ -20,10 +20,13 @@ class Tokenizer:
     as transformers does: give each thread its own Tokenizer.
     """
 
-    def __init__(self, path: str | Path, model_dir: str | Path | None = None) -> None:
+    def __init__(self, path: str | Path, model_dir: str | Path | None = None,
+                 chat_template: str | None = None) -> None:
         self.hf = AutoTokenizer.from_pretrained(path, local_files_only=True)
         if not getattr(self.hf, "is_fast", False):
             raise ValueError(f"tokenizer at {path} is not a fast (tokenizers-backed) tokenizer")
+        if chat_template is not None:  # the config's chat_template (Jinja text) replaces the tokenizer's
+            self.hf.chat_template = chat_template
         self.backend = self.hf.backend_tokenizer
         self.eos_token_ids = generation_eos_ids(model_dir or path)
         if self.hf.eos_token_id is not None:

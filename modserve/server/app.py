@@ -42,11 +42,14 @@ def create_app(engine: LLMEngine, api_key: str | None = None) -> FastAPI:
     metrics = ServerMetrics()
     async_engine = AsyncEngine(engine, observer=metrics)
     tokenizer_path = config.tokenizer or config.model
+    template = config.chat_template_text()
+    names = config.served_model_names()
     state = ServerState(
         engine=async_engine,
-        tokenizer=ChatTokenizer(tokenizer_path, config.model),
-        pool=TokenizerPool(tokenizer_path, config.model),
-        model_name=config.served_model_name or config.model,
+        tokenizer=ChatTokenizer(tokenizer_path, config.model, template),
+        pool=TokenizerPool(tokenizer_path, config.model, chat_template=template),
+        model_name=names[0],
+        model_aliases=tuple(names[1:]),
         max_model_len=engine.max_model_len,
         max_waiting_requests=config.max_waiting_requests,
         grammar_timeout=config.grammar_compile_timeout,
@@ -88,12 +91,12 @@ def _add_routes(app: FastAPI, state: ServerState, metrics: ServerMetrics) -> Non
 
     @app.get("/v1/models")
     async def models() -> ModelList:
-        return ModelList(data=[_model_card(state)])
+        return ModelList(data=[_model_card(state, name) for name in (state.model_name, *state.model_aliases)])
 
     @app.get("/v1/models/{model:path}")
     async def model(model: str) -> ModelCard:
         state.check_model(model)
-        return _model_card(state)
+        return _model_card(state, model)
 
     @app.get("/health")
     async def health() -> Response:
@@ -132,9 +135,9 @@ def _add_routes(app: FastAPI, state: ServerState, metrics: ServerMetrics) -> Non
         return DetokenizeResponse(prompt=text)
 
 
-def _model_card(state: ServerState) -> ModelCard:
+def _model_card(state: ServerState, name: str) -> ModelCard:
     # root is the served name, as vLLM reports it: the local path is nobody's business.
-    return ModelCard(id=state.model_name, root=state.model_name, max_model_len=state.max_model_len)
+    return ModelCard(id=name, root=state.model_name, max_model_len=state.max_model_len)
 
 
 def _add_error_handlers(app: FastAPI) -> None:

@@ -25,8 +25,9 @@ class ChatTokenizer(Tokenizer):
     """A :class:`Tokenizer` with ``encode_chat``; its private backend copy is never mutated
     after ``__init__``, so ``encode_chat`` is safe to share between threads."""
 
-    def __init__(self, path: str | Path, model_dir: str | Path | None = None) -> None:
-        super().__init__(path, model_dir)
+    def __init__(self, path: str | Path, model_dir: str | Path | None = None,
+                 chat_template: str | None = None) -> None:
+        super().__init__(path, model_dir, chat_template)
         self.special_ids = frozenset(i for i, t in self.hf.added_tokens_decoder.items() if t.special)
         self._strips = {i: (t.lstrip, t.rstrip) for i, t in self.hf.added_tokens_decoder.items()
                         if t.special and (t.lstrip or t.rstrip)}

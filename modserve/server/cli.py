@@ -9,19 +9,26 @@ from typing import Any
 
 logger = logging.getLogger("modserve.server")
 
+DEFAULT_HOST, DEFAULT_PORT = "127.0.0.1", 8000
+# vLLM's flags that size the KV cache: with one given, the demo model keeps the user's size.
+VLLM_KV_SIZE_FLAGS = ("gpu_memory_utilization", "num_gpu_blocks_override", "kv_cache_memory_bytes")
+
 
 def add_parsers(subparsers: Any) -> None:
     from modserve.cli import add_config_flags
 
     p = subparsers.add_parser(
         "serve", help="serve a model over an OpenAI-compatible HTTP API",
-        description="Serve a model over an OpenAI-compatible HTTP API. With neither --config nor "
-                    "--model, serves the built-in demo model (random weights: its text is random).")
-    p.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0 for every interface)")
-    p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--api-key", default=os.environ.get("MODSERVE_API_KEY") or None,
+        description="Serve a model over an OpenAI-compatible HTTP API: `modserve serve MODEL`, as `vllm serve "
+                    "MODEL`. With neither --config nor a model, serves the built-in demo model (random weights: "
+                    "its text is random).")
+    # None: not given here (a config file's host/port/api_key may give it), then the default.
+    p.add_argument("--host", default=None, help=f"address to bind (default: {DEFAULT_HOST}; 0.0.0.0 for every "
+                                                 "interface)")
+    p.add_argument("--port", type=int, default=None, help=f"(default: {DEFAULT_PORT})")
+    p.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer KEY' on /v1 routes (default: $MODSERVE_API_KEY)")
-    add_config_flags(p)
+    add_config_flags(p, positional_model=True)
     p.set_defaults(func=cmd_serve)
 
 
@@ -31,20 +38,24 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from modserve.server.app import create_app
     from modserve.server.run import run
 
-    if not args.config and args.cfg_model is None:
+    if not args.config and args.cfg_model is None and args.model_tag is None:
         use_demo_model(args)
-    config = config_from_args(args)
+    config = config_from_args(args)  # a config file's host, port and api_key land on args here
+    host, port = args.host or DEFAULT_HOST, int(args.port or DEFAULT_PORT)
+    api_key = args.api_key or os.environ.get("MODSERVE_API_KEY") or None
     engine = LLMEngine(config, progress=False)
-    run(create_app(engine, api_key=args.api_key), args.host, args.port, args.log_level, args.api_key, config)
+    run(create_app(engine, api_key=api_key), host, port, args.log_level, api_key, config)
     return 0
 
 
 def use_demo_model(args: argparse.Namespace) -> None:
+    """Point ``args`` at the demo model, with its defaults for the flags the user did not give."""
     from modserve.server.demo import DEMO_DEFAULTS, KV_SIZE_FIELDS, demo_model_dir
 
-    logger.info("no --config or --model: serving the demo model (random weights, random text)")
+    logger.info("no --config or model: using the demo model (random weights, random text)")
     args.cfg_model = str(demo_model_dir())
-    sized = any(getattr(args, f"cfg_{name}") is not None for name in KV_SIZE_FIELDS)
+    sized = any(getattr(args, f"cfg_{name}", None) is not None for name in KV_SIZE_FIELDS) or \
+        any(getattr(args, f"vllm_{name}", None) is not None for name in VLLM_KV_SIZE_FLAGS)
     for name, value in DEMO_DEFAULTS.items():
         if getattr(args, f"cfg_{name}") is None and not (sized and name in KV_SIZE_FIELDS):
             setattr(args, f"cfg_{name}", value)

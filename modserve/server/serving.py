@@ -52,6 +52,7 @@ class ServerState:
     max_waiting_requests: int
     grammar_timeout: float
     allow_special_tokens_in_content: bool = False
+    model_aliases: tuple[str, ...] = ()  # more names requests may use (served_model_name's others)
     draining: bool = False  # set on SIGTERM: new requests get 503, those in flight finish
     token_strings: dict[int, str] = field(default_factory=dict)
     # No token is longer than this many characters: a text over max_model_len times it
@@ -62,7 +63,7 @@ class ServerState:
         self.max_token_chars = max(len(t) for t in self.tokenizer.hf.get_vocab())
 
     def check_model(self, name: str | None) -> None:
-        if name is not None and name != self.model_name:
+        if name is not None and name != self.model_name and name not in self.model_aliases:
             raise APIError(404, f"The model `{name}` does not exist. This server serves `{self.model_name}`.",
                            param="model", code="model_not_found")
 

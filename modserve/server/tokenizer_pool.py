@@ -19,15 +19,15 @@ T = TypeVar("T")
 
 
 class TokenizerPool:
-    def __init__(self, path: str, model_dir: str, num_workers: int = 2) -> None:
-        self.path, self.model_dir = path, model_dir
+    def __init__(self, path: str, model_dir: str, num_workers: int = 2, chat_template: str | None = None) -> None:
+        self.path, self.model_dir, self.chat_template = path, model_dir, chat_template
         self._pool = ThreadPoolExecutor(num_workers, thread_name_prefix="modserve-tokenize")
         self._local = threading.local()
 
     def _tokenizer(self) -> ChatTokenizer:
         tok = getattr(self._local, "tokenizer", None)
         if tok is None:
-            tok = self._local.tokenizer = ChatTokenizer(self.path, self.model_dir)
+            tok = self._local.tokenizer = ChatTokenizer(self.path, self.model_dir, self.chat_template)
         return tok
 
     async def run(self, fn: Callable[[ChatTokenizer], T]) -> T:
