@@ -38,6 +38,8 @@ class Request:
     seqs: list[Sequence]
     metrics: RequestMetrics
     max_tokens: int
+    # With params.prompt_logprobs: an entry per prompt token scored so far, [None] at first.
+    prompt_logprobs: list[dict[str, Any] | None] | None = None
 
     @property
     def finished(self) -> bool:
@@ -88,9 +90,17 @@ class LLMEngine:
         layers' graph for 2+ rows and the logits' graph for 2+ sequences; the second stops
         after one token, so the decode after it makes both graphs for one row."""
         start = time.perf_counter()
+        logger.info("compile warm-up: torch.compile (inductor) of the layers' and logits' graphs, for one row "
+                    "and for 2+ rows: ~10 s from inductor's cache, 1-2 min on 2 cores without it")
         for name, max_tokens in (("modserve-warm-up", 2), ("modserve-warm-up-2", 1)):
             self.add_request(name, [0, 0], SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True))
-        while self.has_unfinished_requests():
+        graphs = ("the graphs for 2+ rows (a prefill of two prompts)", "the graphs for one row (a decode)")
+        for step in count(1):
+            if not self.has_unfinished_requests():
+                break
+            what = graphs[step - 1] if step <= len(graphs) else "another step"
+            logger.info("compile warm-up %d/%d: %s ... (%.1f s so far)", step, max(step, len(graphs)), what,
+                        time.perf_counter() - start)
             self.step()
         for key in self.counters:
             self.counters[key] = 0
@@ -158,7 +168,8 @@ class LLMEngine:
                 seq.generator = torch.Generator(self.runner.device).manual_seed(params.seed + i)
             seq.detok = self.tokenizer.stream(params.skip_special_tokens)
             seqs.append(seq)
-        req = Request(request_id, text, token_ids, params, seqs, metrics, max_tokens)
+        req = Request(request_id, text, token_ids, params, seqs, metrics, max_tokens,
+                      None if params.prompt_logprobs is None else [None])
         if grammar is None or grammar.done():
             self._start(req, grammar)  # first: a grammar backend that fails here leaves nothing behind
         else:  # NOTE: kept out of the scheduler until compiled; others decode meanwhile
@@ -380,10 +391,18 @@ class LLMEngine:
         """Append each sequence's new tokens in order, checking every one for a stop (the
         tokens after it are dropped); free what finished; an output per request touched."""
         now = time.perf_counter()
+        for seq, (first, row, num_rows) in output.prompt_seqs.items():
+            entries = self.requests[seq.request_id].prompt_logprobs
+            # NOTE: a recompute (preemption; a fork that waited for a slot) scores the prompt
+            # again from position 0: the entries it already has are skipped, none is lost.
+            for i in range(len(entries) - first, num_rows):
+                entries.append(_logprob_entry(output.prompt_samples, row + i, seq.params.prompt_logprobs))
         touched: dict[str, Request] = {}
         row = 0  # this sequence's first row in output.samples
         for seq, tokens in output.token_ids.items():
             req = touched[seq.request_id] = self.requests[seq.request_id]
+            if req.max_tokens == 0:  # prompt logprobs only: the prefill's sample is dropped
+                seq.finish_reason = "length"
             for i, token in enumerate(tokens):
                 if seq.finish_reason is not None:
                     break  # a stop string, EOS or max_tokens drops the tokens after it
@@ -449,8 +468,9 @@ class LLMEngine:
                 finish_reason=seq.finish_reason, stop_reason=seq.stop_reason,
                 logprobs=list(seq.logprobs) if seq.params.logprobs is not None else None,
             ))
+        # NOTE: not copied: the entries are complete before the first output with a token.
         return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, completions,
-                             req.finished, req.metrics)
+                             req.finished, req.metrics, prompt_logprobs=req.prompt_logprobs)
 
     # -- introspection -------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:

@@ -20,6 +20,7 @@ from modserve.core.loader import checkpoint_dtype, iter_weights
 from modserve.core.plugin_calls import calling, sampled_ids
 from modserve.core.quantization import kv_cache_dtype, select_quantizer
 from modserve.core.registry import Registry
+from modserve.core.sampling import add_logprobs
 from modserve.core.sequence import Sequence
 from modserve.core.spec_decode import verify_drafts
 
@@ -39,6 +40,11 @@ class ModelInput:
     sample_rows: torch.Tensor  # [S] int64: the row of each one's last token
     speculating: list[Sequence]  # with drafts, verified
     spec_rows: torch.Tensor  # [R] int64: each one's rows of its last real token and of its drafts
+    # Prompt logprobs: per sequence that asked and whose chunk holds prompt rows, (the prompt
+    # position its first row predicts, its first row in prompt_rows, its number of rows).
+    prompt_seqs: dict[Sequence, tuple[int, int, int]] = field(default_factory=dict)
+    prompt_rows: list[int] = field(default_factory=list)  # [P'] rows of the hidden states scored
+    prompt_targets: list[int] = field(default_factory=list)  # [P'] the prompt token each one predicts
 
 
 @dataclass(slots=True)
@@ -51,6 +57,10 @@ class ModelOutput:
     # One row per token above, in that order: the logprob, rank and top logprobs of the row
     # it was drawn from. None when no sequence asked for logprobs.
     samples: SamplerOutput | None = None
+    # Prompt logprobs (ModelInput.prompt_seqs) and their rows, on the CPU: token_ids are the
+    # prompt tokens predicted, their logprobs, ranks and the top N of every row.
+    prompt_seqs: dict[Sequence, tuple[int, int, int]] = field(default_factory=dict)
+    prompt_samples: SamplerOutput | None = None
 
 
 def _join_rows(parts: list[SamplerOutput]) -> SamplerOutput | None:
@@ -218,7 +228,20 @@ class ModelRunner:
             out.token_ids.update(zip(seqs, tokens))
             parts.append(samples)
         out.samples = _join_rows(parts)
+        if batch.prompt_seqs:
+            out.prompt_seqs, out.prompt_samples = batch.prompt_seqs, self._prompt_logprobs(hidden, batch)
         return out
+
+    def _prompt_logprobs(self, hidden: torch.Tensor, batch: ModelInput) -> SamplerOutput:
+        """Log-softmax (float32, of the raw logits) at every prompt row, read at the next
+        prompt token, and the top N; the rows of sequences that asked, no others."""
+        rows = torch.tensor(batch.prompt_rows, dtype=torch.int64, device=self.device)
+        raw = self.model.compute_logits(hidden[rows]).float().log_softmax(dim=-1)  # [P', V]
+        out = SamplerOutput(torch.tensor(batch.prompt_targets, dtype=torch.int64, device=self.device))
+        add_logprobs(out, raw, max(s.params.prompt_logprobs for s in batch.prompt_seqs))
+        # One copy to the host: the engine reads them entry by entry.
+        return SamplerOutput(*(t if t is None else t.cpu() for t in
+                               (out.token_ids, out.logprobs, out.ranks, out.top_ids, out.top_logprobs)))
 
     def _forward(self, input_ids: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:  # [T, hidden]
         with calling(self.attn, "attention_backend", "prepare()"):
@@ -248,7 +271,16 @@ class ModelRunner:
         input_ids, meta = build_batch(chunks, ctx, [s.block_ids for s in seqs], self.block_size, self.device)
         ends = list(itertools.accumulate(num_new_tokens))
         sampled, sample_rows, speculating, spec_rows = [], [], [], []
+        prompt_seqs, prompt_rows, prompt_targets = {}, [], []
         for s, c, n, end in zip(seqs, ctx, num_new_tokens, ends):
+            if s.params.prompt_logprobs is not None and c < s.num_prompt_tokens - 1:
+                # Position p's logits predict token p + 1: the chunk's rows up to the prompt's
+                # second-to-last position (the last one's is the first sample); a chunk's last
+                # row predicts the first token of the next chunk.
+                k = min(c + n, s.num_prompt_tokens - 1) - c
+                prompt_seqs[s] = (c + 1, len(prompt_rows), k)
+                prompt_rows.extend(range(end - n, end - n + k))
+                prompt_targets.extend(s.token_ids[c + 1 : c + 1 + k])
             if s in drafts:  # logits of the last real token and of every draft
                 speculating.append(s)
                 spec_rows.extend(range(end - 1 - len(drafts[s]), end))
@@ -256,7 +288,8 @@ class ModelRunner:
                 sampled.append(s)
                 sample_rows.append(end - 1)
         as_index = lambda r: torch.tensor(r, dtype=torch.int64, device=self.device)  # noqa: E731
-        return ModelInput(input_ids, meta, sampled, as_index(sample_rows), speculating, as_index(spec_rows))
+        return ModelInput(input_ids, meta, sampled, as_index(sample_rows), speculating, as_index(spec_rows),
+                          prompt_seqs, prompt_rows, prompt_targets)
 
     # -- a second model beside the target (a proposer's draft) --------------------------
     @torch.inference_mode()

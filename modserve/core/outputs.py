@@ -47,6 +47,9 @@ class RequestOutput:
     finished: bool
     metrics: RequestMetrics
     num_cached_tokens: int = 0
+    # With SamplingParams.prompt_logprobs: one entry per prompt token, the first None (nothing
+    # predicts it), the others in CompletionOutput.logprobs' format; shared by the n samples.
+    prompt_logprobs: list[dict[str, Any] | None] | None = None
     # Why the engine failed this request (finish_reason "error"): a fault inside a step
     # that was traced to it alone; the other requests of that step went on.
     error: str | None = None

@@ -10,7 +10,7 @@ from modserve.core.structured_outputs import StructuredOutputs
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 FLOAT32_TINY = 1.1754943508222875e-38  # torch.finfo(torch.float32).tiny
-INT_FIELDS = ("n", "max_tokens", "min_tokens", "top_k", "seed", "logprobs")
+INT_FIELDS = ("n", "max_tokens", "min_tokens", "top_k", "seed", "logprobs", "prompt_logprobs")
 FLOAT_FIELDS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
 
 
@@ -20,6 +20,10 @@ class SamplingParams:
 
     ``temperature == 0`` is greedy. ``top_k <= 0`` (or -1) disables top-k.
     ``logprobs=N`` returns the sampled token's logprob and the top N alternatives.
+    ``prompt_logprobs=N`` returns each prompt token's logprob given the tokens before it, and
+    the top N there (0: its own only). Such a prompt is computed in full: it skips the prefix
+    cache, whose hits have no logits. With it, ``max_tokens=0`` is allowed: the request ends
+    after its prefill with finish_reason "length" and no tokens (the server's echo scoring).
     """
 
     n: int = 1
@@ -37,6 +41,7 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     structured_outputs: StructuredOutputs | None = None  # constrain the output (JSON schema, regex, ...)
@@ -72,8 +77,8 @@ class SamplingParams:
             raise bad("stop_token_ids", "must be integer token ids")
         if self.n < 1:
             raise bad("n", "must be at least 1")
-        if self.max_tokens is not None and self.max_tokens < 1:
-            raise bad("max_tokens", "must be at least 1")
+        if self.max_tokens is not None and self.max_tokens < (0 if self.prompt_logprobs is not None else 1):
+            raise bad("max_tokens", "must be at least 1 (0 only with prompt_logprobs)")
         if self.min_tokens < 0:
             raise bad("min_tokens", "must be >= 0")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
@@ -92,8 +97,9 @@ class SamplingParams:
             raise bad("presence_penalty", "must be in [-2, 2]")
         if not -2.0 <= self.frequency_penalty <= 2.0:
             raise bad("frequency_penalty", "must be in [-2, 2]")
-        if self.logprobs is not None and self.logprobs < 0:
-            raise bad("logprobs", "must be >= 0")
+        for name in ("logprobs", "prompt_logprobs"):
+            if getattr(self, name) is not None and getattr(self, name) < 0:
+                raise bad(name, "must be >= 0")
         if any(t < 0 for t in self.stop_token_ids):
             raise bad("stop_token_ids", "must be non-negative token ids")
         if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputs):

@@ -150,7 +150,8 @@ class SchedulerCore(SchedulerView):
         for seq, n in schedule.tokens.items():
             if seq.status is SequenceStatus.WAITING:
                 self.waiting.remove(seq)
-                if not seq.block_ids:
+                # NOTE: a cached prefix has no logits: prompt logprobs recompute it (vLLM's rule).
+                if not seq.block_ids and seq.params.prompt_logprobs is None:
                     with calling(self.allocator, "kv_allocator", "match_prefix()"):
                         seq.num_computed_tokens = self.allocator.match_prefix(seq)
                     n = min(n, seq.num_tokens - seq.num_computed_tokens)

@@ -10,8 +10,9 @@ from starlette.background import BackgroundTask
 
 from modserve.core.outputs import RequestOutput
 from modserve.server.async_engine import EngineError, RequestStream
-from modserve.server.logprobs import completion_logprobs
-from modserve.server.protocol import CompletionChoice, CompletionRequest, CompletionResponse, Usage
+from modserve.server.logprobs import completion_logprobs, echo_logprobs, prompt_logprobs
+from modserve.server.protocol import (CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse,
+                                      PromptLogprobs, Usage)
 from modserve.server.serving import (SSE_DONE, Piece, ServerState, StreamTally, arrival_time,
                                      engine_error_event, final_outputs, new_id, sse, usage_counts)
 
@@ -20,7 +21,7 @@ async def create_completion(body: CompletionRequest, state: ServerState, request
     arrival = arrival_time()
     state.check_model(body.model)
     body.check()
-    params = body.sampling_params(body.max_tokens, body.logprobs)
+    params = body.sampling_params(body.max_tokens, body.logprobs, body.engine_prompt_logprobs)
     state.check_params(params)
     texts = body.prompts()
     state.check_batch(len(texts))  # before any of it is tokenized
@@ -44,26 +45,42 @@ def _response(body: CompletionRequest, state: ServerState, outputs: list[Request
     for i, out in enumerate(outputs):
         prefix = echoes[i] if echoes else ""
         for c in out.outputs:
-            logprobs = None
+            logprobs, scored = _prompt_part(body, state, out)
             if c.logprobs is not None:
-                logprobs = completion_logprobs(c.logprobs, state.token_text, len(prefix))
+                logprobs = completion_logprobs(c.logprobs, state.token_text, len(prefix), logprobs)
             choices.append(CompletionChoice(index=i * body.n + c.index, text=prefix + c.text, logprobs=logprobs,
-                                            finish_reason=c.finish_reason, stop_reason=c.stop_reason))
+                                            finish_reason=c.finish_reason, stop_reason=c.stop_reason,
+                                            prompt_logprobs=scored))
     return CompletionResponse(id=response_id, model=state.model_name, choices=choices,
                               usage=Usage.of(*usage_counts(outputs)))
+
+
+def _prompt_part(body: CompletionRequest, state: ServerState,
+                 out: RequestOutput) -> tuple[CompletionLogprobs | None, PromptLogprobs | None]:
+    """The prompt's logprobs as asked: echo's part of ``logprobs``, vLLM's ``prompt_logprobs``."""
+    entries = out.prompt_logprobs
+    echoed = scored = None
+    if body.echo and body.logprobs is not None and entries is not None:
+        echoed = echo_logprobs(out.prompt_token_ids, entries, state.token_text, body.logprobs)
+    if body.prompt_logprobs is not None and entries is not None:
+        scored = prompt_logprobs(entries, state.token_text, body.prompt_logprobs)
+    return echoed, scored
 
 
 async def _stream(body: CompletionRequest, state: ServerState, stream: RequestStream, response_id: str,
                   echoes: list[str] | None, prompt_tokens: int) -> AsyncIterator[str]:
     tally = StreamTally(body.n, prompt_tokens)
     offsets: dict[int, int] = {}  # choice index -> characters sent, for logprobs' text_offset
+    echoed: set[int] = set()  # prompts whose echo was sent
     try:
-        if echoes:
-            for i, echo in enumerate(echoes):
-                for j in range(body.n):
-                    offsets[i * body.n + j] = len(echo)
-                    yield _chunk(response_id, state, i * body.n + j, Piece(echo, None, None, None), None)
         async for out in stream:
+            i = stream.index(out.request_id)
+            if echoes and i not in echoed:  # with its first output: its prompt logprobs are in it
+                echoed.add(i)
+                logprobs = _prompt_part(body, state, out)[0]
+                for j in range(body.n):
+                    offsets[i * body.n + j] = len(echoes[i])
+                    yield _chunk(response_id, state, i * body.n + j, Piece(echoes[i], None, None, None), logprobs)
             for index, piece in tally.pieces(stream, out):
                 logprobs = None
                 if piece.logprobs is not None:

@@ -19,6 +19,7 @@ from modserve.server.structured_outputs import ConstraintFields
 _omit_none = dict(exclude_if=lambda v: v is None)
 Int64 = Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX)]
 TokenId = Annotated[int, Field(ge=0, le=INT64_MAX)]
+MAX_PROMPT_LOGPROBS = 20
 
 
 class Strict(BaseModel):
@@ -94,6 +95,8 @@ class SamplingRequest(TextChecked, ConstraintFields):
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     priority: Int64 = 0  # lower runs first under the priority scheduler; others ignore it
+    # Each prompt token's logprob and the top N there; the cap is vLLM's default max_logprobs.
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_PROMPT_LOGPROBS)
 
     def check(self) -> None:
         """Checks across fields; each names the field at fault."""
@@ -101,13 +104,16 @@ class SamplingRequest(TextChecked, ConstraintFields):
             raise invalid("logit_bias", "not supported")
         if self.stream_options is not None and not self.stream:
             raise invalid("stream_options", "only allowed when stream is true")
+        if self.prompt_logprobs is not None and self.stream:
+            raise invalid("prompt_logprobs", "not available when stream is true (as in vLLM)")
         self.check_constraint()
 
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
-    def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    def sampling_params(self, max_tokens: int | None, logprobs: int | None,
+                        prompt_logprobs: int | None = None) -> SamplingParams:
         def pick(value: Any, default: Any) -> Any:
             return default if value is None else value
 
@@ -120,7 +126,7 @@ class SamplingRequest(TextChecked, ConstraintFields):
                 presence_penalty=pick(self.presence_penalty, 0.0),
                 frequency_penalty=pick(self.frequency_penalty, 0.0),
                 seed=self.seed, stop=self.stop, stop_token_ids=self.stop_token_ids or [],
-                ignore_eos=self.ignore_eos, logprobs=logprobs,
+                ignore_eos=self.ignore_eos, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
                 skip_special_tokens=self.skip_special_tokens,
                 include_stop_str_in_output=self.include_stop_str_in_output,
                 structured_outputs=self.constraint,
@@ -134,7 +140,7 @@ Prompt = str | list[str] | list[int] | list[list[int]]
 
 class CompletionRequest(SamplingRequest):
     prompt: Any
-    max_tokens: int | None = Field(16, ge=1, le=INT64_MAX)
+    max_tokens: int | None = Field(16, ge=0, le=INT64_MAX)  # 0: with echo, only the prompt is scored
     echo: bool = False
     logprobs: int | None = Field(None, ge=0, le=5)
     suffix: str | None = None
@@ -160,8 +166,17 @@ class CompletionRequest(SamplingRequest):
             raise invalid("suffix", "not supported")
         if self.best_of is not None and self.best_of != self.n:
             raise invalid("best_of", "not supported (it may only equal n)")
-        if self.echo and self.logprobs is not None:
-            raise invalid("echo", "echo with logprobs is not supported: prompt logprobs are not computed")
+        if self.max_tokens == 0 and not self.echo and self.prompt_logprobs is None:
+            raise invalid("max_tokens", "must be at least 1 (0 only with echo or prompt_logprobs)")
+
+    @property
+    def engine_prompt_logprobs(self) -> int | None:
+        """What the engine computes: echo with logprobs needs the prompt's (its top N too),
+        and so does echo with max_tokens 0 (the engine prefills, then stops)."""
+        wanted = [n for n in (self.prompt_logprobs, self.logprobs if self.echo else None) if n is not None]
+        if self.echo and self.max_tokens == 0:
+            wanted.append(0)
+        return max(wanted) if wanted else None
 
     def prompts(self) -> list[str | list[int]]:
         p = self.prompt
@@ -233,12 +248,24 @@ class CompletionLogprobs(BaseModel):
     text_offset: list[int] = Field(default_factory=list)
 
 
+class PromptLogprob(BaseModel):
+    logprob: float
+    rank: int
+    decoded_token: str
+
+
+# vLLM's prompt_logprobs: per prompt token (the first None) token id -> its logprob, the
+# prompt token's own first, then the top N.
+PromptLogprobs = list[dict[str, PromptLogprob] | None]
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None  # vLLM's extra: the stop string or token that ended it
+    prompt_logprobs: PromptLogprobs | None = Field(None, **_omit_none)  # vLLM's extra
 
 
 class CompletionResponse(BaseModel):
@@ -286,6 +313,7 @@ class ChatCompletionResponse(BaseModel):
     choices: list[ChatChoice]
     usage: Usage
     system_fingerprint: str | None = None
+    prompt_logprobs: PromptLogprobs | None = Field(None, **_omit_none)  # vLLM's extra
 
 
 class DeltaMessage(BaseModel):
