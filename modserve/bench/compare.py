@@ -140,15 +140,16 @@ def markdown(c: Comparison, title: str, context: Sequence[str], failures: Sequen
 
 
 def write_report(c: Comparison, out_dir: str | Path, title: str, context: Sequence[str],
-                 failures: Sequence[str]) -> Path:
-    """``compare.md`` and ``compare.png`` in ``out_dir``; returns the markdown's path."""
+                 failures: Sequence[str], model: str = "") -> Path:
+    """``compare.md`` and ``compare.png`` (titled with ``title``, ``model`` and the machine) in
+    ``out_dir``; returns the markdown's path."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     latencies = {label: {"TTFT": [x.ttft for r in runs for x in r.results],
                          "E2E latency": [x.e2el for r in runs for x in r.results]}
                  for label, runs in c.runs.items()}
     throughputs = {label: [r.output_tok_s for r in runs] for label, runs in c.runs.items()}
-    plot_compare(out / "compare.png", latencies, throughputs)
+    plot_compare(out / "compare.png", latencies, throughputs, f"{title} on {model}" if model else title)
     path = out / "compare.md"
     path.write_text(markdown(c, title, context, failures, "compare.png"))
     return path

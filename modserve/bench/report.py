@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Sequence
 
@@ -36,10 +37,29 @@ def spread_table(figures: dict[str, list[dict[str, float]]], digits: int = 1) ->
     return table(headers, rows)
 
 
+def hardware_line() -> str:
+    """What ran it, for a figure's title: the GPU's name, else the CPU's model and core count."""
+    import torch
+
+    if torch.cuda.is_available():
+        return f"{torch.cuda.get_device_name()} (torch {torch.__version__})"
+    model = "CPU"
+    try:
+        model = next(line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                     if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    return f"{model}, {len(os.sched_getaffinity(0))} cores"
+
+
 def plot_compare(path: str | Path, latencies: dict[str, dict[str, list[float]]],
-                 throughputs: dict[str, list[float]]) -> None:
+                 throughputs: dict[str, list[float]], title: str = "") -> None:
     """Latency CDFs (one panel per latency kind, one line per config) and output-throughput
-    bars (median, with min-max whiskers over the repeats). Latencies in seconds."""
+    bars (median, with min-max whiskers over the repeats). Latencies in seconds. ``title``:
+    what was compared; the machine is added to it.
+
+    NOTE: the latency axes are logarithmic: one 2 s outlier would otherwise squash the
+    0-200 ms range where nearly every sample lies."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -52,9 +72,10 @@ def plot_compare(path: str | Path, latencies: dict[str, dict[str, list[float]]],
             xs = np.sort(np.asarray(per_kind[kind]) * 1e3)
             ax.step(xs, np.arange(1, len(xs) + 1) / max(len(xs), 1), where="post", label=name)
         unit = "token gaps" if kind.upper() == "ITL" else "requests"  # ITL: every gap of every request
-        ax.set(title=f"{kind} CDF", xlabel="ms", ylabel=f"fraction of {unit}")
-        ax.grid(alpha=0.3)
-        ax.legend()
+        ax.set(title=f"{kind} CDF", xlabel="ms (log scale)", ylabel=f"fraction of {unit}", ylim=(0, 1.02))
+        ax.set_xscale("log")
+        ax.grid(alpha=0.3, which="both")
+        ax.legend(loc="lower right", fontsize="small", framealpha=0.8)  # a CDF's lower right is empty
     ax = axes[-1]
     names = list(throughputs)
     spreads = [Spread.of(throughputs[n]) for n in names]
@@ -62,6 +83,7 @@ def plot_compare(path: str | Path, latencies: dict[str, dict[str, list[float]]],
     errors = [[s.median - s.lo for s in spreads], [s.hi - s.median for s in spreads]]
     ax.bar(names, medians, yerr=errors, capsize=6, color=["tab:blue", "tab:orange"][: len(names)])
     ax.set(title="output throughput (median, min-max)", ylabel="tokens/s")
+    fig.suptitle(f"{title} · {hardware_line()}" if title else hardware_line(), fontsize="medium")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
