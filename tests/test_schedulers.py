@@ -9,9 +9,13 @@ import pytest
 
 from modserve import LLM, SamplingParams
 from modserve.core.hookspecs import hookimpl
-from modserve.core.interfaces import Schedule
+from modserve.core.interfaces import Schedule, SchedulerLimits
 from modserve.core.registry import Registry
-from modserve.plugins.schedulers.fcfs import FCFSScheduler
+from modserve.core.sampling_params import SamplingParams as SP
+from modserve.core.scheduler import SchedulerCore
+from modserve.core.sequence import Sequence
+from modserve.plugins.kv_allocators.paged import PagedAllocator
+from modserve.plugins.schedulers.fcfs import FCFSOptions, FCFSScheduler
 
 PROMPTS = [f"request {i}: " + "the model token cache batch " * (1 + 2 * i) for i in range(6)]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
@@ -204,3 +208,58 @@ def test_fair_share_keeps_one_large_n_from_starving_a_later_request(llama_dir, f
         assert steps_to_first_token is not None and steps_to_first_token <= 2
     else:  # plain fcfs: it waits until the hog's samples finish
         assert steps_to_first_token is None or steps_to_first_token > 50
+
+
+def test_recompute_preemption_with_prefix_cache_and_chunked_prefill(llama_dir):
+    """A sequence preempted by recompute comes back to its own cached blocks, which sit in
+    the free pool: admitting it must count them, or allocate() fails and the requests with it."""
+    sched = {"name": "fcfs", "options": {"long_prefill_token_threshold": 8}}
+    params = SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True)
+    ample = make_llm(llama_dir, scheduler=sched, num_kv_blocks=64, block_size=16, max_model_len=128)
+    tok = ample.get_tokenizer()
+    prompts = [tok.encode(f"request {i}: " + "the model token cache batch " * 10)[:20] for i in range(3)]
+    assert [len(p) for p in prompts] == [20] * 3
+    expected = [o.outputs[0].token_ids for o in ample.generate(prompts, params, use_tqdm=False)]
+    llm = make_llm(llama_dir, scheduler=sched, num_kv_blocks=8, block_size=16, max_model_len=128,
+                   preemption_mode="recompute")
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    assert [(o.outputs[0].finish_reason, o.error) for o in outs] == [("length", None)] * 3
+    assert [o.outputs[0].token_ids for o in outs] == expected
+    eng = llm.engine
+    stats = eng.stats()
+    assert stats["preemptions_recompute"] > 0 and stats["allocator_prefix_hit_tokens"] > 0, stats
+    eng.allocator.check_integrity(holders=[])
+    assert eng.allocator.num_free_blocks() == eng.allocator.num_blocks
+
+
+@pytest.mark.parametrize("num_blocks, others, keeps_match", [
+    (3, 0, True),  # the cached prefix and the chunk after it fit
+    (2, 0, False),  # they don't: the prompt is computed from the start, as scheduled
+    (3, 1, False),  # they would, but only with the block another admitted sequence needs
+])
+def test_prefix_match_at_admission_fits_in_the_checked_blocks(num_blocks, others, keeps_match):
+    limits = SchedulerLimits(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64)
+    alloc = PagedAllocator(num_blocks=num_blocks, block_size=4, max_model_len=64)
+    core = SchedulerCore(FCFSScheduler(limits, FCFSOptions(long_prefill_token_threshold=2)), alloc, limits, "fcfs")
+    prompt = list(range(10, 19))  # 2 full blocks + 1 token
+    warm = Sequence(0, "warm", prompt[:8], 8, SP(), 0.0)
+    assert alloc.allocate(warm, 8)
+    warm.num_computed_tokens = 8
+    alloc.mark_computed(warm)
+    alloc.free(warm)  # both blocks stay cached, and count as free
+    assert alloc.num_free_blocks() == num_blocks
+    seqs = [Sequence(1, "a", list(prompt), 9, SP(), 0.0)]
+    seqs += [Sequence(2 + i, f"other{i}", [90 + i, 91, 92, 93], 4, SP(), 0.0) for i in range(others)]
+    for s in seqs:
+        core.add(s)
+    step = core.step()  # an allocator that broke its contract would raise here
+    assert step.seqs == seqs
+    a = seqs[0]
+    if keeps_match:
+        assert step.num_new_tokens[0] == 1 and a.num_computed_tokens == 8 and len(a.block_ids) == 3
+    else:
+        assert step.num_new_tokens[0] == 2 and a.num_computed_tokens == 0 and len(a.block_ids) == 1
+    alloc.check_integrity(holders=seqs)
+    for s in seqs:
+        core.remove(s)
+    assert alloc.num_free_blocks() == num_blocks and not core.has_work()

@@ -147,14 +147,17 @@ class SchedulerCore(SchedulerView):
         out = ScheduledStep([], [], list(schedule.preempt))
         for seq in schedule.preempt:
             self._preempt(seq, out)
-        for seq, n in schedule.tokens.items():
+        # The blocks each sequence takes, as checked; what is left of them is kept for the
+        # sequences still to allocate, so a prefix match cannot eat into their share.
+        needs = [self.blocks_needed(seq, n) for seq, n in schedule.tokens.items()]
+        reserved = sum(needs)
+        for (seq, n), need in zip(schedule.tokens.items(), needs):
+            reserved -= need
             if seq.status is SequenceStatus.WAITING:
                 self.waiting.remove(seq)
                 # NOTE: a cached prefix has no logits: prompt logprobs recompute it (vLLM's rule).
                 if not seq.block_ids and seq.params.prompt_logprobs is None:
-                    with calling(self.allocator, "kv_allocator", "match_prefix()"):
-                        seq.num_computed_tokens = self.allocator.match_prefix(seq)
-                    n = min(n, seq.num_tokens - seq.num_computed_tokens)
+                    n = self._match_prefix(seq, n, self.free_blocks() - reserved)
             elif seq.status is SequenceStatus.SWAPPED:
                 self.swapped.remove(seq)
             if seq.status is not SequenceStatus.RUNNING:
@@ -170,6 +173,26 @@ class SchedulerCore(SchedulerView):
             out.num_new_tokens.append(n)
         out.copies = self.allocator.take_copies()
         return out
+
+    def _match_prefix(self, seq: Sequence, n: int, available: int) -> int:
+        """Attach ``seq``'s cached prefix and return the tokens it computes now (``n`` at most).
+        The schedule was checked against an empty block table, but cached blocks that were
+        free (evictable) leave the free pool too, and the chunk after the prefix may need
+        blocks the checked one did not: if that is more than ``available``, the match is
+        dropped and the ``n`` tokens are computed from the start, as checked."""
+        allocator = self.allocator
+        free = allocator.num_free_blocks()
+        with calling(allocator, "kv_allocator", "match_prefix()"):
+            seq.num_computed_tokens = allocator.match_prefix(seq)
+        if not seq.num_computed_tokens:
+            return n
+        m = min(n, seq.num_tokens - seq.num_computed_tokens)
+        taken = free - allocator.num_free_blocks()
+        if taken + allocator.blocks_needed(seq, seq.num_computed_tokens + m) <= available:
+            return m
+        allocator.free(seq)
+        seq.num_computed_tokens = 0
+        return n
 
     def _allocate(self, seq: Sequence, num_tokens: int) -> None:
         """``allocator.allocate``, checked: it must succeed (the schedule was checked against
