@@ -9,7 +9,8 @@ One job per module:
 - ``hf_baseline``: transformers ``generate`` on static left-padded batches
 - ``serve_client``: the load generator for OpenAI-compatible servers
 - ``compare``: A/B of two engine configs
-- ``plan``: memory, KV and speed-of-light arithmetic
+- ``plan``: memory, KV and speed-of-light arithmetic; tensor- and pipeline-parallel communication
+- ``collectives``: all-reduce and all-gather latency and bandwidth over real process groups
 - ``report``: tables and figures
 - ``cli``: the subcommands
 """

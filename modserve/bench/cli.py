@@ -1,4 +1,4 @@
-"""``modserve bench {throughput,latency,serve}``, ``modserve compare`` and ``modserve plan``.
+"""``modserve bench {throughput,latency,serve,collectives}``, ``modserve compare`` and ``modserve plan``.
 
 Heavy imports (torch, transformers, httpx) happen inside the commands.
 """
@@ -15,8 +15,10 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 
+from modserve.bench.collectives import parse_bytes
 from modserve.bench.metrics import Spread, ratio_spread
 from modserve.bench.pinning import add_pinning_flags, pin
+from modserve.bench.plan import INTERCONNECTS
 from modserve.bench.workloads import add_workload_flags
 
 HARDWARE_CHOICES = ("h100", "h200", "b200", "a100-80g", "cpu")
@@ -109,11 +111,39 @@ def add_parsers(sub: Any) -> None:
                                           "--dtype for the rest (needs a checkpoint directory)")
     p.add_argument("--tensor-parallel-size", "-tp", "--tp", dest="tp", type=int, default=1,
                    help="tensor-parallel devices")
+    p.add_argument("--pipeline-parallel-size", "-pp", "--pp", dest="pp", type=int, default=1,
+                   help="pipeline stages: layers per stage, the activations sent between them, the bubble")
     p.add_argument("--context-len", type=int, default=0, help="tokens of KV each decode step reads")
     p.add_argument("--gpu-memory-utilization", "--memory-fraction", dest="memory_fraction", type=float,
                    default=0.9, help="of device memory for weights + KV")
+    g = p.add_argument_group("parallelism's communication (with --tp or --pp above 1)")
+    g.add_argument("--batch-size", type=int, default=1, help="sequences per decode step")
+    g.add_argument("--allreduce-json", metavar="PATH",
+                   help="all-reduce times measured by 'modserve bench collectives --json PATH'")
+    g.add_argument("--interconnect", choices=list(INTERCONNECTS),
+                   help="without --allreduce-json: a preset link (default: the --hardware's; cpu: loopback-gloo)")
+    g.add_argument("--micro-batches", type=int, default=None, help="in flight through the pipeline (default: --pp)")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_plan)
+
+    p = kinds.add_parser("collectives", help="all-reduce / all-gather latency and bus bandwidth of real "
+                                             "process groups (gloo on CPU, NCCL on CUDA)")
+    p.add_argument("--world-size", type=int, default=2, help="ranks (processes) to spawn")
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="cpu: gloo; cuda: NCCL, one GPU per rank")
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
+                   help="the tensors' (default: float32 on CPU, bfloat16 on CUDA); sizes are bytes either way")
+    p.add_argument("--min-bytes", type=parse_bytes, default=4 * 2**10,
+                   help="smallest all-reduce, e.g. 4K: a decode step's hidden state for a few sequences")
+    p.add_argument("--max-bytes", type=parse_bytes, default=None,
+                   help="largest all-reduce, e.g. 64M (default: 64 MiB on CUDA, 16 MiB on CPU)")
+    p.add_argument("--step-factor", "-f", dest="factor", type=int, default=2, help="size multiplier between steps")
+    p.add_argument("--gather-bytes", type=parse_bytes, nargs="+", default=None,
+                   help="all-gather sizes, gathered (default: 64K, 1M, 4M inside the sweep)")
+    add_pinning_flags(p)
+    p.set_defaults(repeats=20, warmups=5)
+    p.add_argument("--json", metavar="PATH", help="write the results and the machine's details here")
+    p.add_argument("--plot", metavar="PATH", help="a PNG of latency and busbw vs size")
+    p.set_defaults(func=cmd_collectives)
 
 
 def add_output_flags(p: argparse.ArgumentParser, what: str) -> None:
@@ -411,7 +441,8 @@ def _changed(config: Any, other: Any) -> str:
 def cmd_plan(args: argparse.Namespace) -> int:
     from dataclasses import asdict
 
-    from modserve.bench.plan import ModelShape, hardware, normalize_dtype, plan
+    from modserve.bench.plan import (MeasuredCollectives, ModelShape, hardware, interconnect, normalize_dtype,
+                                     pipeline, plan, tp_comms)
 
     shape = ModelShape.load(args.model)
     dtype = normalize_dtype(args.dtype or shape.dtype)
@@ -424,10 +455,53 @@ def cmd_plan(args: argparse.Namespace) -> int:
         model_dir = Path(args.model).parent if Path(args.model).is_file() else args.model
         weight_bytes = planned_weight_bytes(model_dir, args.quantization, getattr(torch, dtype),
                                             "cpu" if args.hardware == "cpu" else "cuda")
-    result = plan(shape, hardware(args.hardware, dtype), dtype, args.kv_dtype, args.tp, args.context_len,
+    hw = hardware(args.hardware, dtype)
+    result = plan(shape, hw, dtype, args.kv_dtype, args.tp, args.context_len,
                   args.memory_fraction, weight_bytes, args.quantization)
+    extra: dict[str, Any] = {}
+    if args.tp > 1:
+        link = interconnect(args.interconnect, args.hardware, args.allreduce_json)
+        single = plan(shape, hw, dtype, args.kv_dtype, 1, args.context_len, args.memory_fraction, weight_bytes,
+                      args.quantization)
+        notes = []
+        if isinstance(link, MeasuredCollectives) and link.world_size != args.tp:
+            notes.append(f"all-reduce times measured at world size {link.world_size}, used as they are "
+                         f"for TP={args.tp}")
+        if isinstance(link, MeasuredCollectives) and (link.device == "cpu") != (args.hardware == "cpu"):
+            notes.append(f"collectives measured on {link.device}, reads and math from {args.hardware}: a what-if")
+        if args.hardware == "cpu":
+            notes.append(f"{args.tp} ranks on one CPU share its memory bandwidth: the TP={args.tp} reads "
+                         f"are optimistic")
+        note = "; ".join(notes)
+        extra["tp_comms"] = tp_comms(shape, single, result, link, args.batch_size, note)
+    if args.pp > 1:
+        extra["pipeline"] = pipeline(shape, result, args.pp, args.micro_batches, args.batch_size)
     if args.json:
-        print(json.dumps(asdict(result), indent=2))
+        out = asdict(result)
+        for key, part in extra.items():
+            out[key] = {**asdict(part), **({"comms_s": part.comms_s, "step_s": part.step_s, "worth_it": part.worth_it,
+                                           "verdict": part.verdict()} if key == "tp_comms" else
+                                          {"bubble": part.bubble})}
+        print(json.dumps(out, indent=2))
     else:
-        print("\n".join(result.lines()))
+        print("\n".join(result.lines() + [line for part in extra.values() for line in part.lines()]))
+    return 0
+
+
+def cmd_collectives(args: argparse.Namespace) -> int:
+    from modserve.bench import collectives
+
+    where = pin(args)
+    max_bytes = args.max_bytes or (64 if args.device == "cuda" else 16) * 2**20
+    sizes = collectives.message_sizes(args.min_bytes, max_bytes, args.factor)
+    gathers = args.gather_bytes or collectives.gather_sizes(args.min_bytes, max_bytes)
+    data = collectives.measure(args.world_size, args.device, sizes, gathers, args.dtype, args.warmups, args.repeats)
+    data["meta"]["pinning"] = where
+    print("\n".join(collectives.lines(data)))
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+    _write_json(args.json, data)
+    if args.plot:
+        why = collectives.plot(data, args.plot)
+        print(why or f"wrote {args.plot}", file=sys.stderr if why else sys.stdout)
     return 0

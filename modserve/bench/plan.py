@@ -12,6 +12,21 @@ The arithmetic, per device with tensor parallelism ``tp``:
   2 P B / F = (W + B c k) / BW, i.e. B = (W / BW) / (2 P / F - c k / BW)
 - prefill time per 1k tokens = (2 x params x 1000 + causal attention 2 L H d 1000^2) / (tp x F)
 
+Tensor parallelism's price (``tp_comms``), per decode step at batch B:
+
+- 2 all-reduces per decoder layer (after o_proj and down_proj, the row-parallel linears) of
+  B x hidden x activation bytes, one more in the vocab-parallel embedding, and one all-gather
+  of the logits (B x padded vocab x activation bytes, gathered): 2 L + 1 all-reduces
+- step time = max(read time, math time) of one device's share + the collectives' time, where
+  read time = (weights + B x context x KV per token) / bandwidth and math = 2 P B / (tp F);
+  TP=N is worth it when that beats the same step at TP=1
+- a collective's time comes from a measured curve (``modserve bench collectives --json``) or
+  an interconnect preset: latency + bytes x busbw factor / busbw (NCCL-tests' busbw)
+
+Pipeline parallelism (``pipeline``): layers split into pp stages; each stage boundary sends
+the residual stream, hidden x activation bytes per token; with m micro-batches in flight a
+simple (GPipe-like) schedule idles a fraction (pp - 1) / (m + pp - 1) of each device's time.
+
 Dense Llama-family models only (no mixture of experts). Datasheet figures are dense
 (no sparsity) tensor-core rates and HBM bandwidths of the SXM parts, decimal units.
 """
@@ -90,13 +105,16 @@ class ModelShape:
         return cls.from_config(json.loads(file.read_text()))
 
     @property
-    def num_params(self) -> int:
+    def params_per_layer(self) -> int:
         h, q, kv = self.hidden_size, self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         attn = h * q + 2 * h * kv + q * h + (q + 2 * kv if self.attention_bias else 0)
         mlp = 3 * h * self.intermediate_size  # gate, up, down
-        per_layer = attn + mlp + 2 * h  # two RMSNorms
-        embeddings = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
-        return self.num_layers * per_layer + embeddings + h  # final norm
+        return attn + mlp + 2 * h  # two RMSNorms
+
+    @property
+    def num_params(self) -> int:
+        embeddings = self.vocab_size * self.hidden_size * (1 if self.tie_word_embeddings else 2)
+        return self.num_layers * self.params_per_layer + embeddings + self.hidden_size  # final norm
 
 
 @dataclass(frozen=True, slots=True)
@@ -196,3 +214,229 @@ def hardware(name: str, dtype: str = "float32") -> Hardware:
     if name not in HARDWARE:
         raise ValueError(f"unknown hardware {name!r}; known: {', '.join([*HARDWARE, 'cpu'])}")
     return HARDWARE[name]
+
+
+# -- tensor and pipeline parallelism ------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class Interconnect:
+    """A collective's time as latency + the bytes each rank's link carries / busbw (the
+    alpha-beta model NCCL-tests' busbw is made for). ``source``: where the figures come from."""
+
+    name: str
+    latency: float  # s: a small message's all-reduce (alpha)
+    busbw: float  # bytes/s: a large all-reduce's bus bandwidth
+    source: str
+
+    def time(self, op: str, nbytes: float, n: int) -> float:
+        from modserve.bench.collectives import bus_factor
+
+        return self.latency + nbytes * bus_factor(op, n) / self.busbw
+
+    def describe(self) -> str:
+        return (f"{self.name} preset: {self.latency * 1e6:g} us + bytes / {self.busbw / 1e9:g} GB/s busbw "
+                f"({self.source})")
+
+
+INTERCONNECTS = {
+    # NVIDIA A100 datasheet: NVLink 3, 600 GB/s per GPU both directions = 300 GB/s each way;
+    # nccl-tests on 8x A100 SXM reach a busbw of about 230-250 GB/s (the reference table of
+    # docs.alayanew.com/en/docs/tech-blog/2026-05-06-nccl-tests, as for NVLink 4 below).
+    "nvlink3": Interconnect("nvlink3", 10e-6, 240e9, "A100 SXM NVLink 3: 300 GB/s each way, nccl-tests ~240"),
+    # NVIDIA H100 datasheet: NVLink 4, 900 GB/s per GPU both directions = 450 GB/s each way;
+    # nccl-tests on 8x H100 SXM reach a busbw of 450-480 GB/s (NVLink SHARP). Latency: a 1 KiB
+    # NCCL all-reduce is ~3.5 us of kernel on 4x H800 NVLink without CUDA graphs
+    # (NVIDIA/nccl#1984); 10 us adds an eager torch.distributed call's launch and sync (estimate).
+    "nvlink4": Interconnect("nvlink4", 10e-6, 450e9, "H100/H200 SXM NVLink 4: 900 GB/s both ways "
+                            "(NVIDIA spec) = 450 each way; latency estimated"),
+    # NVIDIA B200 spec: NVLink 5, 1.8 TB/s per GPU both directions = 900 GB/s each way.
+    "nvlink5": Interconnect("nvlink5", 10e-6, 900e9, "B200 NVLink 5: 1.8 TB/s both ways (NVIDIA spec) "
+                            "= 900 each way; latency estimated"),
+    # PCI-SIG: PCIe 4.0 x16 = 16 GT/s x 16 lanes x 128/130 = 31.5 GB/s each way; ~25 GB/s in
+    # practice. Latency: without peer-to-peer, NCCL stages through host memory (estimate).
+    "pcie4": Interconnect("pcie4", 25e-6, 25e9, "PCIe 4.0 x16: 31.5 GB/s each way (PCI-SIG), "
+                          "~25 practical; latency estimated"),
+    # Measured 2026-12-02: modserve bench collectives --world-size 2 on the 2-core AMD EPYC dev box
+    # (gloo over loopback, float32, 1 thread per rank, load average 4.4 from other jobs): medians
+    # of 0.5-0.65 ms up to 64 KiB, 17 ms at 16 MiB (busbw ~1 GB/s), 0.5-0.8 GB/s from 1 to 8 MiB.
+    "loopback-gloo": Interconnect("loopback-gloo", 600e-6, 0.8e9, "gloo over loopback, 2 ranks on a "
+                                  "busy 2-core AMD EPYC, measured by modserve bench collectives"),
+}
+DEFAULT_INTERCONNECT = {"h100": "nvlink4", "h200": "nvlink4", "b200": "nvlink5", "a100-80g": "nvlink3",
+                        "cpu": "loopback-gloo"}
+
+
+@dataclass(frozen=True, slots=True)
+class MeasuredCollectives:
+    """Times from a ``modserve bench collectives --json`` file, interpolated by size."""
+
+    name: str
+    world_size: int
+    points: dict[str, list[tuple[float, float]]]  # op -> [(bytes, median seconds)]
+    device: str = "cpu"  # where it was measured: cpu (gloo) or cuda (NCCL)
+
+    @classmethod
+    def load(cls, path: str | Path) -> "MeasuredCollectives":
+        from modserve.bench.collectives import load_curve
+
+        data = load_curve(path)
+        m = data["meta"]
+        points: dict[str, list[tuple[float, float]]] = {}
+        for r in data["results"]:
+            points.setdefault(r["op"], []).append((float(r["bytes"]), r["median_us"] * 1e-6))
+        return cls(f"measured: {path} ({m['backend']} x{m['world_size']}, {m['dtype']}, {m['machine']}, "
+                   f"{m['date'][:10]})", int(m["world_size"]), points, m.get("device", "cpu"))
+
+    def time(self, op: str, nbytes: float, n: int) -> float:
+        from modserve.bench.collectives import interpolate
+
+        # NOTE: no all-gather measured: an all-reduce of the same bytes, which moves twice as much
+        return interpolate(self.points.get(op) or self.points["all_reduce"], nbytes)
+
+    def describe(self) -> str:
+        return self.name
+
+
+def interconnect(name: str | None, hardware_name: str,
+                 allreduce_json: str | None = None) -> Interconnect | MeasuredCollectives:
+    """The collectives' cost model: ``allreduce_json``'s measured curve, else the ``name``d
+    preset, else the hardware's usual link."""
+    if allreduce_json:
+        return MeasuredCollectives.load(allreduce_json)
+    name = name or DEFAULT_INTERCONNECT.get(hardware_name, "pcie4")
+    if name not in INTERCONNECTS:
+        raise ValueError(f"unknown interconnect {name!r}; known: {', '.join(INTERCONNECTS)}")
+    return INTERCONNECTS[name]
+
+
+def activation_dtype(weight_dtype: str) -> str:
+    """What the hidden states are: the weights' dtype, at least 16-bit (fp8/int weights dequantize)."""
+    return "bfloat16" if DTYPE_BYTES[weight_dtype] < 2 else weight_dtype
+
+
+def padded_vocab(vocab_size: int, tp: int, multiple: int = 64) -> int:
+    """As modserve.core.linear.padded_vocab: every rank an equal multiple of 64 rows (vLLM's rule)."""
+    step = multiple * tp
+    return -(-vocab_size // step) * step
+
+
+def step_time(p: Plan, batch: int) -> float:
+    """One decode step of ``batch`` sequences on one device of the plan: the weights' and the
+    context's KV read, or the math, whichever takes longer."""
+    read = (p.weight_bytes + batch * p.context_len * p.kv_bytes_per_token) / p.bandwidth
+    return max(read, 2 * p.num_params / p.tp * batch / p.flops)
+
+
+@dataclass(frozen=True, slots=True)
+class TPComms:
+    tp: int
+    batch: int
+    context_len: int
+    hidden_size: int
+    act_dtype: str
+    interconnect: str
+    allreduce_bytes_per_token_layer: float  # 2 all-reduces x hidden x activation bytes
+    allreduces_per_step: int  # 2 per layer + the embedding's
+    allreduce_bytes: float  # one all-reduce at batch B: B x hidden x activation bytes
+    allreduce_s: float  # one all-reduce of that size
+    allgather_bytes: float  # the logits, gathered: B x padded vocab x activation bytes
+    allgather_s: float
+    step_s_tp1: float  # the decode step at TP=1
+    step_s_compute: float  # at TP=N, reads and math only
+    fits_tp1: bool  # the weights and the batch's KV fit one device
+    note: str = ""
+
+    @property
+    def comms_s(self) -> float:
+        return self.allreduces_per_step * self.allreduce_s + self.allgather_s
+
+    @property
+    def step_s(self) -> float:
+        return self.step_s_compute + self.comms_s
+
+    @property
+    def worth_it(self) -> bool:
+        return self.step_s < self.step_s_tp1
+
+    def verdict(self) -> str:
+        saved = self.step_s_tp1 - self.step_s_compute
+        figures = f"all-reduce + all-gather {self.comms_s * 1e6:,.1f} us per step vs {saved * 1e6:,.1f} us saved"
+        if not self.fits_tp1:
+            return f"needed: TP=1 does not fit the weights and the batch's KV; {figures}"
+        return f"TP={self.tp} {'worth it' if self.worth_it else 'not worth it'}: {figures}"
+
+    def lines(self) -> list[str]:
+        b, kib, us = self.batch, 2**10, 1e6
+        out = [
+            f"TP comms        2 all-reduces per layer x hidden {self.hidden_size} x {DTYPE_BYTES[self.act_dtype]:g} B "
+            f"({self.act_dtype}) = {self.allreduce_bytes_per_token_layer / kib:,.1f} KiB per token per layer",
+            f"per step        batch {b}: {self.allreduces_per_step} all-reduces (2 per layer + embedding) of "
+            f"{self.allreduce_bytes / kib:,.1f} KiB + 1 all-gather of {self.allgather_bytes / kib:,.1f} KiB (logits)",
+            f"interconnect    {self.interconnect}",
+            f"collectives     all-reduce {self.allreduce_s * us:,.1f} us, all-gather {self.allgather_s * us:,.1f} us: "
+            f"{self.allreduces_per_step} x {self.allreduce_s * us:,.1f} + {self.allgather_s * us:,.1f} = "
+            f"{self.comms_s * us:,.1f} us per step",
+            f"decode step     TP=1 {self.step_s_tp1 * us:,.1f} us; TP={self.tp} {self.step_s_compute * us:,.1f} us "
+            f"reads/math + {self.comms_s * us:,.1f} us collectives = {self.step_s * us:,.1f} us "
+            f"(batch {b}, context {self.context_len})",
+            f"verdict         {self.verdict()}",
+        ]
+        return out + ([f"note            {self.note}"] if self.note else [])
+
+
+def tp_comms(shape: ModelShape, p1: Plan, pn: Plan, link: Interconnect | MeasuredCollectives, batch: int = 1,
+             note: str = "") -> TPComms:
+    """The collectives of TP=``pn.tp`` and what they cost against the reads they save over ``p1`` (TP=1)."""
+    act = activation_dtype(pn.dtype)
+    a = DTYPE_BYTES[act]
+    allreduce = batch * shape.hidden_size * a
+    gather = batch * padded_vocab(shape.vocab_size, pn.tp) * a
+    fits = p1.kv_tokens >= batch * max(1, p1.context_len)
+    return TPComms(pn.tp, batch, pn.context_len, shape.hidden_size, act, link.describe(), 2 * shape.hidden_size * a,
+                   2 * shape.num_layers + 1, allreduce, link.time("all_reduce", allreduce, pn.tp), gather,
+                   link.time("all_gather", gather, pn.tp), step_time(p1, batch), step_time(pn, batch), fits, note)
+
+
+@dataclass(frozen=True, slots=True)
+class PipelinePlan:
+    pp: int
+    micro_batches: int
+    batch: int
+    layers_per_stage: int  # the largest stage's
+    num_layers: int
+    stage_weight_bytes: float  # per device on the largest stage: its layers + the vocabulary matrix
+    act_dtype: str
+    send_bytes_per_token: float  # per stage boundary: hidden x activation bytes
+    boundaries: int  # pp - 1
+
+    @property
+    def bubble(self) -> float:
+        return (self.pp - 1) / (self.micro_batches + self.pp - 1)
+
+    def lines(self) -> list[str]:
+        kib = 2**10
+        return [
+            f"pipeline        PP={self.pp}: {self.layers_per_stage} of {self.num_layers} layers per stage, "
+            f"{self.stage_weight_bytes / 2**30:,.2f} GiB of weights per device on the largest stage",
+            f"PP sends        hidden x {DTYPE_BYTES[self.act_dtype]:g} B ({self.act_dtype}) = "
+            f"{self.send_bytes_per_token / kib:,.1f} KiB per token across each of {self.boundaries} stage "
+            f"boundaries; {self.batch * self.send_bytes_per_token / kib:,.1f} KiB per boundary per decode step "
+            f"at batch {self.batch}",
+            f"bubble          {self.bubble:.1%} idle with {self.micro_batches} micro-batches in flight: "
+            f"(pp - 1) / (micro-batches + pp - 1) = {self.pp - 1} / {self.micro_batches + self.pp - 1}",
+        ]
+
+
+def pipeline(shape: ModelShape, p: Plan, pp: int, micro_batches: int | None = None, batch: int = 1) -> PipelinePlan:
+    """Layers split into ``pp`` stages (the first stages one more when uneven); the first stage
+    also holds the embedding, the last the LM head: the largest stage has one vocabulary matrix.
+    ``micro_batches`` defaults to ``pp``, the fewest that keep every stage busy in the steady state."""
+    if pp < 1 or pp > shape.num_layers:
+        raise ValueError(f"pipeline-parallel size {pp} must be 1..{shape.num_layers} (the layers)")
+    layers = -(-shape.num_layers // pp)
+    vocab = shape.num_params - shape.num_layers * shape.params_per_layer  # embeddings, LM head, final norm
+    if pp > 1:
+        vocab = shape.vocab_size * shape.hidden_size  # the first stage's embedding or the last's LM head
+    stage_params = layers * shape.params_per_layer + vocab
+    act = activation_dtype(p.dtype)
+    return PipelinePlan(pp, micro_batches or pp, batch, layers, shape.num_layers,
+                        p.weight_bytes * stage_params / p.num_params, act, shape.hidden_size * DTYPE_BYTES[act], pp - 1)
