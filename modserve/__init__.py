@@ -17,7 +17,7 @@ __all__ = ["LLM", "SamplingParams", "StructuredOutputs", "EngineConfig", "__vers
 def __getattr__(name: str):
     # Lazy: `import modserve` stays cheap (the CLI and plugin registration import no torch).
     if name == "LLM":
-        from modserve.core.llm import LLM
+        from modserve.llm import LLM
         return LLM
     if name == "SamplingParams":
         from modserve.core.sampling_params import SamplingParams

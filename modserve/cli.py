@@ -21,7 +21,7 @@ logger = logging.getLogger("modserve")
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 # One spelling per concept across commands; these others are kept as aliases.
-FLAG_ALIASES: dict[str, tuple[str, ...]] = {"num_threads": ("--threads",)}
+FLAG_ALIASES: dict[str, tuple[str, ...]] = {"num_threads": ("--threads",), "tensor_parallel_size": ("-tp",)}
 # Taken as typed, never read as YAML (`--served-model-name on` is a name, not a boolean).
 TEXT_FIELDS = ("model", "tokenizer", "served_model_name", "device", "chat_template")
 
@@ -54,14 +54,20 @@ def add_config_flags(parser: argparse.ArgumentParser, config_file: bool = True, 
     if config_file:
         parser.add_argument("--config", help="YAML or TOML engine config file (a `vllm serve` YAML file works)")
     group = parser.add_argument_group(title)
-    for name, field in EngineConfig.model_fields.items():
+    fields = EngineConfig.model_fields
+    # A vLLM option spelled as a field is that field's flag (vLLM's short flag too: -pp, -dp);
+    # its entry applies only while modserve has no such field (vllm_compat.translate).
+    shorts = {o.key: (o.short,) for o in VLLM_OPTIONS if o.short and o.key in fields}
+    for name, field in fields.items():
         metavar, help_text = field_help(name, field)
         extra: dict[str, Any] = {"nargs": "+"} if name == "served_model_name" else {}
-        group.add_argument("--" + name.replace("_", "-"), *FLAG_ALIASES.get(name, ()), dest=f"cfg_{name}",
-                           metavar=metavar, help=help_text, **extra)
+        group.add_argument("--" + name.replace("_", "-"), *FLAG_ALIASES.get(name, ()), *shorts.get(name, ()),
+                           dest=f"cfg_{name}", metavar=metavar, help=help_text, **extra)
     vllm = parser.add_argument_group("vLLM's spellings", "mapped onto the settings above, refused with the "
                                      "reason, or ignored with a warning (docs/configuration.md)")
     for option in VLLM_OPTIONS:
+        if option.key in fields:
+            continue
         kwargs = dict(option.arg)
         if kwargs.get("action") == "BooleanOptionalAction":
             kwargs["action"] = argparse.BooleanOptionalAction
@@ -336,7 +342,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 # The kinds the conformance kit checks (modserve.testing.conformance).
 CONFORMANCE_KINDS: tuple[str, ...] = (
-    "attention_backend", "kv_allocator", "scheduler", "sampler", "grammar_backend", "quantizer", "proposer")
+    "attention_backend", "kv_allocator", "scheduler", "sampler", "grammar_backend", "quantizer", "proposer",
+    "executor")
 
 CONFORMANCE_HELP = f"""\
 Check plugin implementations against their kind's contract with the conformance kit

@@ -42,6 +42,7 @@ MOVED: dict[str, tuple[str, dict[str, str]]] = {
         n: f"modserve.api.fp8:{n}" for n in ("FP8", "FP8_MAX", "fp8_to_float", "to_fp8")}),
     "modserve.quantizers.e4m3": ("modserve.api.fp8", {
         n: f"modserve.api.fp8:{n}" for n in ("FP8", "FP8_MAX", "fp8_to_float", "to_fp8")}),
+    "modserve.core.llm": ("modserve.llm", {"LLM": "modserve.llm:LLM"}),
     "modserve.plugins.schedulers.base": ("modserve.api", {
         n: f"modserve.api.scheduling:{n}" for n in ("Budget", "admit", "advance_running", "chunk_size",
                                                      "start_budget")}),

@@ -9,11 +9,12 @@ Every entry of :data:`VLLM_OPTIONS` is one of three kinds:
   ``gpu_memory_utilization``, a KV cache size computed as vLLM computes it;
 - ``refused``: a feature modserve does not have; any value but vLLM's default is an
   error naming the option and why;
-- ``ignored``: harmless here (downloads, logging, multi-GPU plumbing); a value other than
+- ``ignored``: harmless here (downloads, logging, all-reduce plumbing); a value other than
   vLLM's default logs a warning naming the option.
 
-Options vLLM and modserve spell alike (``max_model_len``, ``dtype``, ``quantization``, ...)
-are EngineConfig fields and need no entry; their vLLM-only values (``dtype: half``,
+Options vLLM and modserve spell alike (``max_model_len``, ``dtype``, ``quantization``,
+``tensor_parallel_size``, ``distributed_executor_backend``, ...) are EngineConfig fields
+and need no entry; their vLLM-only values (``dtype: half``,
 ``kv_cache_dtype: fp8``, a Hugging Face id as ``model``) are :data:`VALUES`'.
 """
 
@@ -147,7 +148,7 @@ _BOOL = {"action": "BooleanOptionalAction"}
 _INT = {"type": int, "metavar": "INT"}
 _FLOAT = {"type": float, "metavar": "FLOAT"}
 _TEXT = {"metavar": "TEXT"}
-_ONE_DEVICE = "distributed execution is not built yet: modserve runs a model on one device"
+_NOT_BUILT = "{} parallelism is not built yet; tensor parallelism is: --tensor-parallel-size (-tp)"
 
 VLLM_OPTIONS: tuple[VllmOption, ...] = (
     # -- mapped onto modserve's settings
@@ -174,10 +175,11 @@ VLLM_OPTIONS: tuple[VllmOption, ...] = (
     VllmOption("guided_decoding_backend", "mapped", "grammar_backend: NAME (auto, xgrammar, outlines)",
                {"metavar": "NAME"}, _set_name("grammar_backend")),
     # -- refused: a value other than vLLM's default is an error
-    VllmOption("tensor_parallel_size", "refused", _ONE_DEVICE, _INT, default=1, short="-tp"),
-    VllmOption("pipeline_parallel_size", "refused", _ONE_DEVICE, _INT, default=1, short="-pp"),
-    VllmOption("data_parallel_size", "refused", _ONE_DEVICE + " (run one server per device)", _INT, default=1,
-               short="-dp"),
+    # (-pp and -dp: only while modserve has no field of that name; with one, the field's flag
+    # takes the short one, and translate() gives the value to the field)
+    VllmOption("pipeline_parallel_size", "refused", _NOT_BUILT.format("pipeline"), _INT, default=1, short="-pp"),
+    VllmOption("data_parallel_size", "refused", _NOT_BUILT.format("data") + " (or run one server per replica)",
+               _INT, default=1, short="-dp"),
     VllmOption("cpu_offload_gb", "refused", "offloading weights to host memory is not supported", _FLOAT,
                default=0),
     VllmOption("enable_lora", "refused", "LoRA adapters are not supported", _BOOL, default=False),
@@ -201,8 +203,7 @@ VLLM_OPTIONS: tuple[VllmOption, ...] = (
     VllmOption("tokenizer_revision", "ignored", "a local tokenizer directory is one revision", _TEXT),
     VllmOption("hf_token", "ignored", "modserve never downloads", _TEXT),
     VllmOption("max_seq_len_to_capture", "ignored", "modserve captures no CUDA graphs", _INT),
-    VllmOption("distributed_executor_backend", "ignored", "one process, one device", _TEXT),
-    VllmOption("disable_custom_all_reduce", "ignored", "one device: there is no all-reduce", _BOOL,
+    VllmOption("disable_custom_all_reduce", "ignored", "modserve's all-reduce is torch.distributed's", _BOOL,
                default=False),
     VllmOption("max_parallel_loading_workers", "ignored", "weights load in one pass", _INT),
     VllmOption("disable_log_stats", "ignored", "modserve logs no periodic stats: they are on /metrics", _BOOL,
@@ -241,12 +242,16 @@ def translate(layers: list[dict[str, Any]]) -> tuple[dict[str, Any], float | Non
     modserve's own keys merge first; then vLLM's mapped keys patch the result in order, so
     ``--enable-prefix-caching`` sets an option of whichever allocator the layers selected.
     Raises ValueError naming a refused option."""
+    from modserve.core.config import EngineConfig
+
     data: dict[str, Any] = {}
     patches: list[tuple[VllmOption, Any]] = []
     for layer in layers:
         for key, value in layer.items():
             key = normalize_key(key)
-            option = BY_KEY.get(key)
+            # An entry spelled as an EngineConfig field is that field (built since: -pp, -dp); only
+            # its short flag is still used (modserve.cli)
+            option = None if key in EngineConfig.model_fields else BY_KEY.get(key)
             if option is None:
                 data[key] = value
             elif value is not None:
@@ -286,7 +291,8 @@ def speculative_from_vllm(spec: dict[str, Any]) -> dict[str, Any]:
         raise ValueError("speculative_config needs a method (ngram, draft_model) or a draft model")
     tp = spec.get("draft_tensor_parallel_size")
     if tp not in (None, 1):
-        raise ValueError(f"speculative_config draft_tensor_parallel_size={tp} is not supported: {_ONE_DEVICE}")
+        raise ValueError(f"speculative_config draft_tensor_parallel_size={tp} is not supported: the draft model "
+                         "runs whole, on rank 0")
     rest = {k: v for k, v in spec.items() if k not in _SPEC_COMMON}
     options: dict[str, Any] = {}
     if method == "ngram":

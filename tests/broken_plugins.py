@@ -9,18 +9,22 @@ third party would, through a distribution's ``modserve`` entry point.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, ClassVar, Sequence as Seq
 
 import torch
 
 from modserve.api import (
     AttentionBackend, AttentionMetadata, GrammarMatcher, Proposal, Register, Schedule, SchedulerLimits,
-    SchedulerView, Sequence, hookimpl, read_kv, slots, write_kv)
+    SchedulerView, Sequence, TensorLayout, WorkerSpec, hookimpl, read_kv, slots, write_kv)
 from modserve.api.fp8 import FP8
 from modserve.plugins.grammars.xgrammar_backend import XGrammarBackend
+from modserve.plugins.executors.mp import MultiprocessExecutor, MultiprocessOptions
+from modserve.plugins.executors.uni import UniExecutor
 from modserve.plugins.kv_allocators.paged import PagedAllocator
 from modserve.plugins.proposers.ngram import NgramProposer
 from modserve.plugins.schedulers.fcfs import FCFSScheduler
+from modserve.quantizers.awq import AWQ
 from modserve.quantizers.gptq import GPTQ
 from modserve.quantizers.int8 import Int8
 from modserve.samplers.default import DefaultSampler
@@ -420,6 +424,65 @@ class IgnoresUnknownNames(Int8):
             super().load_weight(layer, name, tensor, shard)
 
 
+class AWQLayoutUnpacked(AWQ):
+    def tensor_layout(self, name: str, spec: Any) -> TensorLayout:
+        # qweight and qzeros pack 8 output channels per int32: declared as one per element
+        return dataclasses.replace(super().tensor_layout(name, spec), out_per_element=1)
+
+
+class RowShardsIgnoreInStart(Int8):
+    def tensor_layout(self, name: str, spec: Any) -> TensorLayout:
+        return TensorLayout(in_dim=None)  # "it slices its row shards itself"...
+
+    def load_weight(self, layer: torch.nn.Module, name: str, tensor: torch.Tensor, shard: int) -> None:
+        if layer.spec.parallel == "row":
+            tensor = tensor[:, : layer.spec.in_features]  # ... from input 0 on every rank, not spec.in_start
+        super().load_weight(layer, name, tensor, shard)
+
+
+# -- executors: the mp executor (a worker given 1 s to stop) with one fault each -------------
+class QuickMp(MultiprocessExecutor):
+    def __init__(self, options: MultiprocessOptions | None = None) -> None:
+        super().__init__(options or MultiprocessOptions(stop_timeout=1))
+
+
+class FailedNeverSays(QuickMp):
+    def failed(self) -> str | None:
+        return None  # a dead worker goes unnoticed
+
+
+class FailedBlocks(QuickMp):
+    def failed(self) -> str | None:
+        for proc in self.procs:
+            proc.join(0.1)  # waits for each worker instead of looking
+        return super().failed()
+
+
+class ShutdownForgetsWorkers(QuickMp):
+    def shutdown(self) -> None:
+        self.procs, self.ranks = [], []  # neither waited for nor reaped, let alone killed
+
+
+class ShutdownNeverKills(QuickMp):
+    def shutdown(self) -> None:
+        for proc in self.procs:
+            proc.join(self.options.stop_timeout)  # waits, then leaves whoever did not stop
+        self.procs, self.ranks = [], []
+
+
+class WorkersGetAnotherModel(QuickMp):
+    def start(self, workers: list[WorkerSpec]) -> None:
+        from modserve.testing import cached_checkpoint
+
+        other = str(cached_checkpoint("llama", "tiny", seed=1))  # same shapes, other weights
+        super().start([dataclasses.replace(w, config={**w.config, "model": other}) for w in workers])
+
+
+class UniRefusesVaguely(UniExecutor):
+    def start(self, workers: list[WorkerSpec]) -> None:
+        raise RuntimeError("cannot start workers")
+
+
 # -- proposers: n-gram lookup with one fault each -------------------------------------------
 class TooManyTokens(NgramProposer):
     def propose(self, seqs: list[Sequence], num_tokens: list[int]) -> Proposal:
@@ -501,11 +564,15 @@ BROKEN: dict[str, dict[str, Any]] = {
     "quantizer": {"apply_ignores_bias": ApplyIgnoresBias, "dequantize_transposed": DequantizeTransposed,
                   "zero_weights": ZeroWeights, "weight_bytes_forget_scales": WeightBytesForgetScales,
                   "ignores_shard_offsets": IgnoresShardOffsets, "ignores_unknown_names": IgnoresUnknownNames,
-                  "apply_returns_float32": ApplyReturnsFloat32, "gptq_zero_off_by_one": GPTQZeroOffByOne},
+                  "apply_returns_float32": ApplyReturnsFloat32, "gptq_zero_off_by_one": GPTQZeroOffByOne,
+                  "awq_layout_unpacked": AWQLayoutUnpacked, "row_shards_ignore_in_start": RowShardsIgnoreInStart},
     "proposer": {"too_many_tokens": TooManyTokens, "out_of_vocab": OutOfVocab,
                  "unnormalized_probs": UnnormalizedProbs, "forget_unknown_raises": ForgetUnknownRaises,
                  "probs_missing_a_token": ProbsMissingAToken, "drafts_its_improbable": DraftsItsImprobable,
                  "drops_a_sequence": DropsASequence},
+    "executor": {"failed_never_says": FailedNeverSays, "failed_blocks": FailedBlocks,
+                 "shutdown_forgets_workers": ShutdownForgetsWorkers, "shutdown_never_kills": ShutdownNeverKills,
+                 "workers_get_another_model": WorkersGetAnotherModel, "uni_refuses_vaguely": UniRefusesVaguely},
 }
 # The built-ins, under other names: the kit must pass them through this very plugin.
 CONTROLS: dict[str, dict[str, str]] = {
@@ -516,6 +583,7 @@ CONTROLS: dict[str, dict[str, str]] = {
     "grammar_backend": {"xgrammar_copy": "modserve.plugins.grammars.xgrammar_backend:XGrammarBackend"},
     "quantizer": {"int8_copy": "modserve.quantizers.int8:Int8"},
     "proposer": {"ngram_copy": "modserve.plugins.proposers.ngram:NgramProposer"},
+    "executor": {"quick_mp": f"{__name__}:QuickMp"},  # mp, as the broken ones are before their fault
 }
 
 # A built-in that cannot run without options: outside modserve, the kit gets them from the command line.
@@ -567,3 +635,8 @@ def register_quantizers(register: Register) -> None:
 @hookimpl
 def register_proposers(register: Register) -> None:
     _register("proposer", register)
+
+
+@hookimpl
+def register_executors(register: Register) -> None:
+    _register("executor", register)

@@ -11,6 +11,8 @@ modules a run imported, and torch's (``torch._dynamo``) cannot be imported a sec
 from __future__ import annotations
 
 import ast
+import json
+import multiprocessing
 import os
 import re
 import shutil
@@ -95,6 +97,10 @@ FAULTS: list[tuple[str, str, str]] = [
     ("quantizer:weight_bytes_forget_scales", "test_weight_bytes_are_what_the_layer_keeps", "but the layer keeps"),
     ("quantizer:ignores_shard_offsets", "test_fused_shards_load_in_any_order", "dequantize differently"),
     ("quantizer:ignores_unknown_names", "test_an_unknown_tensor_name_is_an_error_naming_it", "without an error"),
+    ("quantizer:awq_layout_unpacked", "test_tensor_parallel_shards_are_slices_of_the_whole_layer",
+     r"loading its slices of the checkpoint tensors failed.*tensor_layout"),
+    ("quantizer:row_shards_ignore_in_start", "test_tensor_parallel_shards_are_slices_of_the_whole_layer and o_proj",
+     "rank 1 of 2: dequantize differs from its own layer of columns 32:64"),
     ("proposer:too_many_tokens", "test_proposals_fit_what_was_asked", "at most"),
     ("proposer:out_of_vocab", "test_proposals_fit_what_was_asked", "are not token ids"),
     ("proposer:unnormalized_probs", "test_proposals_fit_what_was_asked", "it must be a distribution"),
@@ -102,6 +108,15 @@ FAULTS: list[tuple[str, str, str]] = [
     ("proposer:drafts_its_improbable", "test_proposals_fit_what_was_asked", "has probability 0"),
     ("proposer:drops_a_sequence", "test_proposals_fit_what_was_asked", "token lists for"),
     ("proposer:forget_unknown_raises", "test_forget_then_propose_for_new_sequences", "one it never proposed for"),
+    # Each an engine of two ranks (seconds to start). The kill test waits its full 10 s for failed().
+    ("executor:workers_get_another_model", "test_tp2_gives_the_greedy_tokens_of_one_rank", "must run the spec"),
+    ("executor:failed_blocks", "test_failed_is_none_and_quick_while_healthy", "it is polled"),
+    ("executor:shutdown_forgets_workers", "test_shutdown_leaves_no_worker", "still there"),
+    ("executor:shutdown_never_kills", "test_shutdown_ends_a_worker_that_does_not_exit", "still running"),
+    ("executor:failed_never_says", "test_a_killed_worker_is_reported_and_ends_the_engine",
+     r"failed\(\) still returned None 10 s after"),
+    ("executor:uni_refuses_vaguely", "test_one_rank_executor_refuses_more_ranks_clearly",
+     "must refuse with a ValueError"),
 ]
 CONTROLS = [f"{kind}:{name}" for kind, names in broken_plugins.CONTROLS.items() for name in names]
 
@@ -176,6 +191,41 @@ def test_the_kit_passes_the_builtins_through_the_same_plugin(with_broken_plugins
         assert any(f"[{target}" in r.nodeid for r in reports.outcome("passed")), f"no kit test passed for {target}"
 
 
+# target -> (its options, kit tests passed, skipped): mp runs two ranks, uni refuses them.
+BUILTIN_EXECUTORS = {"executor:mp": ({"stop_timeout": 2}, 5, 1), "executor:uni": (None, 1, 5)}
+
+
+def run_executor_kit(target: str, options: dict | None) -> Reports:
+    args = ["--modserve-conformance", target]
+    if options is not None:
+        args += ["--modserve-conformance-options", f"{target}={json.dumps(options)}"]
+    code, reports = run_kit(*args)
+    failed = reports.outcome("failed")
+    assert not failed, f"the kit failed {target}: " + "\n".join(r.longreprtext[-2000:] for r in failed)
+    assert code == pytest.ExitCode.OK
+    return reports
+
+
+@pytest.mark.parametrize("target", list(BUILTIN_EXECUTORS))
+def test_the_kit_passes_the_builtin_executors(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, target: str) -> None:
+    """The built-ins under their own names (the process registry, no plugin added: a worker
+    imports what the driver registered). mp: ~25 s, three engines of two ranks."""
+    monkeypatch.chdir(tmp_path)
+    options, passed, skipped = BUILTIN_EXECUTORS[target]
+    reports = run_executor_kit(target, options)
+    assert (len(reports.outcome("passed")), len(reports.outcome("skipped"))) == (passed, skipped), \
+        [(r.nodeid, r.outcome) for r in reports.all if r.when == "call" or not r.passed]
+    assert multiprocessing.active_children() == []
+
+
+def test_the_kit_passes_the_ray_executor(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """SLOW (~40 s here): each of the three engines starts (and stops) a local Ray cluster."""
+    pytest.importorskip("ray", reason="the ray executor needs Ray: pip install modserve[ray]")
+    monkeypatch.chdir(tmp_path)
+    reports = run_executor_kit("executor:ray", {"stop_timeout": 2})
+    assert len(reports.outcome("passed")) == 5  # the refusal check is skipped: it runs two ranks
+
+
 def test_targets_select_one_kind_and_deselect_the_others(monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
                                                          capsys: pytest.CaptureFixture[str]) -> None:
     monkeypatch.chdir(tmp_path)
@@ -210,7 +260,7 @@ def test_options_reach_the_implementation(with_broken_plugins: Registry, monkeyp
      "*attention_backend:nope: unknown attention_backend 'nope'; available: paged, reference*"),
     (["--modserve-conformance", "platform:cpu"],
      "*the conformance kit has no tests for kind 'platform'; kinds it checks: attention_backend, kv_allocator, "
-     "scheduler, sampler, grammar_backend, quantizer, proposer*"),
+     "scheduler, sampler, grammar_backend, quantizer, proposer, executor*"),
     (["--modserve-conformance", "paged"],
      "*--modserve-conformance takes KIND:NAME (e.g. attention_backend:paged), got 'paged'*"),
     (["--modserve-conformance", "sampler:default", "--modserve-conformance-options", "proposer:ngram={}"],

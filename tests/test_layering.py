@@ -101,7 +101,11 @@ def test_the_check_sees_a_planted_lazy_and_relative_import(tmp_path):
         "plugin.py:6 imports modserve.plugins.schedulers.fcfs"]
 
 
-CORE_CODE_BUDGET = 3000  # lines of code in modserve/core: small enough to read in an afternoon
+# Lines of code in modserve/core: small enough to read in an afternoon. 3,000 until distributed
+# execution added its seam to the core (~320 lines: the layers' tensor-parallel splits and
+# collectives, pipeline stages and micro-batches, rank 0's broadcast of each step, starting,
+# joining and stopping the ranks); the offline LLM and the workers' loop moved out for ~150.
+CORE_CODE_BUDGET = 3300
 
 
 def _code_lines(source: str) -> int:

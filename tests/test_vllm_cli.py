@@ -98,9 +98,6 @@ def test_gpu_memory_utilization_is_vllms_share_of_total_memory(llama_dir, monkey
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--tensor-parallel-size", "2"], "tensor_parallel_size=2 is not supported: distributed execution is not "
-                                      "built yet"),
-    (["-pp", "4"], "pipeline_parallel_size=4 is not supported: distributed execution"),
     (["--enable-lora"], "enable_lora=True is not supported: LoRA adapters are not supported"),
     (["--kv-cache-dtype", "fp8_e5m2"], "kv_cache_dtype='fp8_e5m2' is not supported: the fp8 KV cache is e4m3"),
     (["--speculative-config", '{"method": "ngram", "disable_by_batch_size": 4}'],
@@ -116,11 +113,23 @@ def test_what_modserve_lacks_is_a_clear_error(llama_dir, capsys, argv, message):
     assert err.startswith("error: ") and message in err and err.count("\n") == 1
 
 
-def test_a_vllm_file_with_tensor_parallel_2_is_refused(llama_dir, tmp_path, capsys):
-    path = tmp_path / "tp.yaml"
-    path.write_text(f"model: {llama_dir}\ntensor-parallel-size: 2\n")
-    assert cli.main(["generate", "--config", str(path), "--prompt", "x"]) == 2
-    assert "tensor_parallel_size=2 is not supported" in capsys.readouterr().err
+def test_vllms_parallelism_flags_are_modserves_settings(llama_dir, tmp_path):
+    for argv in (["-tp", "2"], ["--tensor-parallel-size", "2", "--distributed-executor-backend", "mp"]):
+        config, _ = resolve(["serve", llama_dir, *argv])
+        assert (config.tensor_parallel_size, config.executor_choice().name) == (2, "mp")
+    for key in ("tensor-parallel-size", "tensor_parallel_size"):  # a vLLM file's spelling, or modserve's
+        path = tmp_path / "tp.yaml"
+        path.write_text(f"model: {llama_dir}\n{key}: 2\ndistributed-executor-backend: ray\n")
+        config, _ = resolve(["serve", "--config", str(path)])
+        assert (config.tensor_parallel_size, config.executor_choice().name) == (2, "ray")
+        config, _ = resolve(["serve", "--config", str(path), "-tp", "1", "--distributed-executor-backend", "uni"])
+        assert (config.tensor_parallel_size, config.executor_choice().name) == (1, "uni")  # flags win
+    # vLLM's refusals of -pp and -dp gave way to the fields of those names; the short flags stay
+    config, _ = resolve(["serve", llama_dir, "-pp", "2", "-dp", "3"])
+    assert (config.pipeline_parallel_size, config.data_parallel_size) == (2, 3)
+    path.write_text(f"model: {llama_dir}\npipeline-parallel-size: 2\ndata_parallel_size: 3\n")
+    config, _ = resolve(["serve", "--config", str(path)])
+    assert (config.pipeline_parallel_size, config.data_parallel_size) == (2, 3)
 
 
 def test_hub_ids_say_modserve_needs_a_local_copy():
@@ -194,7 +203,8 @@ def test_help_shows_each_engine_flags_type_choices_and_default():
     assert "--compile {auto,on,off} " in text and "(default: auto; booleans work too)" in text
     assert "--max-num-seqs INT Most sequences running at once (default: 128)" in text
     assert "--kv-allocator NAME|MAPPING KV block allocator plugin (default: paged)" in text
-    assert "--tensor-parallel-size INT, -tp INT refused unless 1: distributed execution" in text
+    assert "--tensor-parallel-size INT, -tp INT Ranks (processes, one device each)" in text
+    assert "--pipeline-parallel-size INT, -pp INT " in text and "--data-parallel-size INT, -dp INT " in text
     assert "--num-threads INT, --threads INT" in text and "VALUE" not in text
 
 

@@ -31,12 +31,15 @@ if TYPE_CHECKING:  # for type checkers and IDEs; at run time each name is import
     from modserve.core.batch import build_batch
     from modserve.core.forward_context import attention, forward_context
     from modserve.core.interfaces import (
-        AttentionBackend, AttentionMetadata, AttentionSpec, CausalLM, FinishedModel, GrammarBackend,
+        AttentionBackend, AttentionMetadata, AttentionSpec, CausalLM, Executor, FinishedModel, GrammarBackend,
         GrammarMatcher, GrammarVocab, KVAllocator, LinearSpec, ModelLoad, Platform, Proposal, Proposer,
         ProposerContext, Quantizer, Sampler, SamplerOutput, SamplingBatch, Schedule, Scheduler,
-        SchedulerLimits, SchedulerView)
+        SchedulerLimits, SchedulerView, TensorLayout, WorkerSpec)
     from modserve.core.linear import (
-        Linear, LinearFactory, Unquantized, check_name, float_layers, linear_factory, load_shard, model_bytes, param)
+        Linear, LinearFactory, Unquantized, VocabEmbedding, check_name, float_layers, linear_factory, load_shard,
+        model_bytes, param)
+    from modserve.core.parallel import TensorParallel
+    from modserve.api.worker import run_worker
     from modserve.core.registry import PluginError
     from modserve.core.sampling import add_logprobs, sample_rows
     from modserve.core.sampling_params import SamplingParams
@@ -54,13 +57,15 @@ _WHERE: dict[str, str] = {name: module for module, names in (
     ("modserve.core.batch", "build_batch"),
     ("modserve.core.forward_context", "attention forward_context"),
     ("modserve.core.interfaces",
-     "AttentionBackend AttentionMetadata AttentionSpec CausalLM FinishedModel "
+     "AttentionBackend AttentionMetadata AttentionSpec CausalLM Executor FinishedModel "
      "GrammarBackend GrammarMatcher GrammarVocab KVAllocator LinearSpec ModelLoad "
      "Platform Proposal Proposer ProposerContext Quantizer Sampler SamplerOutput "
-     "SamplingBatch Schedule Scheduler SchedulerLimits SchedulerView"),
+     "SamplingBatch Schedule Scheduler SchedulerLimits SchedulerView TensorLayout WorkerSpec"),
     ("modserve.core.linear",
-     "Linear LinearFactory Unquantized check_name float_layers linear_factory "
+     "Linear LinearFactory Unquantized VocabEmbedding check_name float_layers linear_factory "
      "load_shard model_bytes param"),
+    ("modserve.core.parallel", "TensorParallel"),
+    ("modserve.api.worker", "run_worker"),
     ("modserve.core.registry", "PluginError"),
     ("modserve.core.sampling", "add_logprobs sample_rows"),
     ("modserve.core.sampling_params", "SamplingParams"),
@@ -85,16 +90,17 @@ def __dir__() -> list[str]:
 __all__ = [
     "PLUGIN_API_VERSION", "PluginError", "Register", "hookimpl",
     # contracts, one per kind
-    "AttentionBackend", "CausalLM", "GrammarBackend", "GrammarMatcher", "KVAllocator", "Platform", "Proposer",
-    "Quantizer", "Sampler", "Scheduler",
+    "AttentionBackend", "CausalLM", "Executor", "GrammarBackend", "GrammarMatcher", "KVAllocator", "Platform",
+    "Proposer", "Quantizer", "Sampler", "Scheduler",
     # the data they receive and return
     "AttentionMetadata", "AttentionSpec", "FinishedModel", "GrammarSpec", "GrammarVocab", "LinearSpec",
     "ModelLoad", "Proposal", "ProposerContext", "SamplerOutput", "SamplingBatch", "SamplingParams", "Schedule",
     "SchedulerLimits", "SchedulerView", "Sequence", "SequenceStatus", "SequenceView", "StructuredOutputs",
+    "TensorLayout", "WorkerSpec",
     # models and linears
-    "Linear", "LinearFactory", "Unquantized", "attention", "check_name", "float_layers", "forward_context",
+    "Linear", "LinearFactory", "TensorParallel", "Unquantized", "VocabEmbedding", "attention", "check_name", "float_layers", "forward_context",
     "linear_factory", "load_shard", "model_bytes", "param",
     # helpers
     "Budget", "FP8", "FP8_MAX", "add_logprobs", "admit", "advance_running", "build_batch", "chunk_size",
-    "fp8_to_float", "load_kernel", "read_kv", "sample_rows", "slots", "start_budget", "to_fp8", "write_kv",
+    "fp8_to_float", "load_kernel", "read_kv", "run_worker", "sample_rows", "slots", "start_budget", "to_fp8", "write_kv",
 ]

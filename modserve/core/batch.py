@@ -49,3 +49,38 @@ def build_batch(
         max_seq_len=int(seq_lens.max()),
     )
     return torch.tensor(ids, dtype=torch.int64, device=device), meta
+
+
+# pipeline_micro_batches auto: the fewest tokens a micro-batch is cut to. Below it (decodes) a
+# step is mostly weight reads, which every micro-batch repeats: cut in two, decode steps of 16
+# sequences ran slower, prefills faster (docs/parallelism.md).
+MICRO_BATCH_MIN_TOKENS = 128
+
+
+def micro_batch_count(asked: int | None, stages: int, num_tokens: int) -> int:
+    """Micro-batches for a step of ``num_tokens``: ``asked``, or one per stage once each gets
+    MICRO_BATCH_MIN_TOKENS, else one."""
+    return asked or max(1, min(stages, num_tokens // MICRO_BATCH_MIN_TOKENS))
+
+
+def split_batch(input_ids: torch.Tensor, meta: AttentionMetadata, row_sets: list[torch.Tensor],
+                parts: int) -> list[tuple[torch.Tensor, AttentionMetadata, list[torch.Tensor]]]:
+    """The batch as up to ``parts`` micro-batches of whole sequences, about equal in tokens:
+    each one's input ids, metadata and rows of every row set (renumbered from its first token).
+    Their row sets, in order, are the batch's: sequences keep their order."""
+    cu = meta.query_start_loc.cpu().numpy()
+    n = meta.num_seqs
+    cuts = np.searchsorted(cu, np.arange(1, parts) * meta.num_tokens / parts, side="left")
+    bounds = sorted({0, n, *(int(min(max(c, 1), n - 1)) for c in cuts)}) if n > 1 else [0, n]
+    out = []
+    for a, b in zip(bounds, bounds[1:]):
+        t0, t1 = int(cu[a]), int(cu[b])
+        sub = AttentionMetadata(
+            num_tokens=t1 - t0, positions=meta.positions[t0:t1], slot_mapping=meta.slot_mapping[t0:t1],
+            query_start_loc=meta.query_start_loc[a : b + 1] - t0, query_lens=meta.query_lens[a:b],
+            context_lens=meta.context_lens[a:b], seq_lens=meta.seq_lens[a:b], block_tables=meta.block_tables[a:b],
+            query_lens_cpu=meta.query_lens_cpu[a:b], seq_lens_cpu=meta.seq_lens_cpu[a:b],
+            context_lens_cpu=meta.context_lens_cpu[a:b], max_query_len=max(meta.query_lens_cpu[a:b]),
+            max_seq_len=max(meta.seq_lens_cpu[a:b]))
+        out.append((input_ids[t0:t1], sub, [r[(r >= t0) & (r < t1)] - t0 for r in row_sets]))
+    return out

@@ -92,7 +92,25 @@ class EngineConfig(BaseModel):
     platform: PluginChoice | None = Field(
         None, description="Platform plugin: what is device-specific (dtype auto, memory, compile policy, "
         "linear kernels); default: the device's type (cpu, cuda)")
-    num_threads: int | None = Field(None, gt=0, description="torch intra-op threads (default: torch's)")
+    num_threads: int | None = Field(None, gt=0, description="torch intra-op threads, per rank (default: torch's)")
+    tensor_parallel_size: int = Field(
+        1, gt=0, description="Ranks (processes, one device each) the model's layers and KV heads split over")
+    pipeline_parallel_size: int = Field(
+        1, gt=0, description="Pipeline stages (each of tensor_parallel_size ranks) the decoder layers split over")
+    pp_layer_partition: list[int] | None = Field(
+        None, description="Decoder layers per pipeline stage, e.g. [5, 7]; default: as even as can be")
+    pipeline_micro_batches: int | None = Field(
+        None, gt=0, description="Pipeline parallel: micro-batches each step is split into, so the stages work "
+        "at once; default: one per stage for steps of 128 tokens a stage or more (prefills), else one")
+    data_parallel_size: int = Field(
+        1, gt=0, description="Server: engine replicas (each of tensor_parallel_size ranks) behind one server, "
+        "each request routed to one; on a shared memory (CPU) kv_cache_memory_fraction is split between them")
+    data_parallel_routing: Literal["load", "prefix"] = Field(
+        "prefix", description="Server, data_parallel_size > 1: prefix sends a request to the replica that "
+        "holds the longest part of its prompt's prefix (else, or with load, to the least loaded replica)")
+    distributed_executor_backend: PluginChoice | None = Field(
+        None, description="Executor plugin that starts the ranks beyond the first: mp (processes on this "
+        "machine), ray (Ray actors, several machines); default mp when tensor_parallel_size > 1, else uni")
     compile: Literal["auto", "on", "off"] = Field(
         "auto", description="torch.compile each layer's ops around attention (and, on CPU with a 16-bit "
         "checkpoint, the batch-1 decode GEMV); auto: on for CPU models of 64 MiB of weights or more")
@@ -157,6 +175,14 @@ class EngineConfig(BaseModel):
     def chat_template_text(self) -> str | None:
         """``chat_template`` as Jinja text (read, when it names a file), or None: the tokenizer's."""
         return chat_template_text(self.chat_template) if self.chat_template else None
+
+    def executor_choice(self) -> PluginChoice:
+        return self.distributed_executor_backend or PluginChoice(name="mp" if self.world_size > 1 else "uni")
+
+    @property
+    def world_size(self) -> int:
+        """Ranks of one engine: tensor_parallel_size x pipeline_parallel_size."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size
 
     def platform_choice(self) -> PluginChoice:
         """``platform``, else the built-in named after the device's type (``cuda:1`` -> cuda)."""

@@ -17,6 +17,7 @@ from modserve.core.grammar import AUTO, CompiledGrammar, GrammarCompiler, wait_a
 from modserve.core.interfaces import GrammarMatcher, Platform, SamplerOutput, SchedulerLimits
 from modserve.core.loader import checkpoint_dtype, load_hf_config
 from modserve.core.model_runner import ModelOutput, ModelRunner
+from modserve.core.parallel import PipelineStage, RanksOutOfStep
 from modserve.core.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from modserve.core.plugin_calls import calling
 from modserve.core.registry import PluginError, Registry, get_registry
@@ -25,8 +26,10 @@ from modserve.core.scheduler import SchedulerCore, SwapSpace
 from modserve.core.sequence import Sequence, SequenceStatus
 from modserve.core.spec_decode import SpecDecode
 from modserve.core.tokenizer import Tokenizer
+from modserve.core.worker import start_ranks, stop_ranks
 
 logger = logging.getLogger("modserve")
+WORKER_EXIT_GRACE = 0.5  # seconds, see LLMEngine._worker_failure
 
 
 @dataclass(slots=True, eq=False)
@@ -58,6 +61,8 @@ class LLMEngine:
         torch.manual_seed(config.seed)  # unseeded requests draw from the global generator
         hf_config = load_hf_config(config.model)
         self.max_model_len = resolve_max_model_len(config, hf_config)
+        # A partition that cannot be is the config's fault: say so before any worker starts.
+        PipelineStage(0, config.pipeline_parallel_size).layers(hf_config.num_hidden_layers, config.pp_layer_partition)
         self.dtype = self.platform.resolve_dtype(config.dtype, checkpoint_dtype(hf_config))
         self.tokenizer = Tokenizer(config.tokenizer or config.model, config.model)
         self.eos_token_ids = self.tokenizer.eos_token_ids
@@ -65,8 +70,24 @@ class LLMEngine:
                                        hf_config.vocab_size, self.eos_token_ids, config.grammar_cache_size,
                                        config.grammar_compile_workers, config.grammar_compile_timeout)
         self.compiling: dict[str, Future] = {}  # request id -> its grammar, still compiling
-        self.runner = ModelRunner(config, hf_config, registry, self.dtype, self.max_model_len,
-                                  self.eos_token_ids, progress=progress, platform=self.platform)
+        self.ranks_in_step = True  # the other ranks wait for rank 0's next call (not inside one)
+        self.stopped = False
+        self.executor, tp, pp = start_ranks(config, registry, self.platform)
+        try:
+            self.runner = ModelRunner(config, hf_config, registry, self.dtype, self.max_model_len,
+                                      self.eos_token_ids, progress=progress, platform=self.platform, tp=tp, pp=pp)
+            self._start_kv_and_scheduler(registry)
+        except Exception as e:
+            # rank 0's own ValueError (the config) is the cause even when the workers, failing on
+            # it too, are seen gone first
+            why = None if isinstance(e, ValueError) else self._worker_failure()
+            stop_ranks(self.executor, tp, config.world_size, tell=not isinstance(e, RanksOutOfStep))
+            if why:
+                raise EngineDeadError(f"a tensor-parallel worker failed: {why}") from e
+            raise
+
+    def _start_kv_and_scheduler(self, registry: Registry) -> None:
+        config = self.config
         self.num_blocks = self._num_kv_blocks()
         num_host_blocks = self._num_swap_blocks()
         self.runner.allocate_kv_cache(self.num_blocks, num_host_blocks)
@@ -107,6 +128,17 @@ class LLMEngine:
         # NOTE: two tokens fill no KV block, so the prefix cache keeps nothing of this.
         logger.info("compile: warm-up took %.1f s", time.perf_counter() - start)
 
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel workers, if any (idempotent; an engine of one rank has none)."""
+        if not self.stopped:
+            self.stopped = True
+            stop_ranks(self.executor, self.runner.tp, self.config.world_size, tell=self.ranks_in_step)
+
+    def check_health(self) -> None:
+        """EngineDeadError when a tensor-parallel worker is gone (the engine cannot step again)."""
+        if why := self.executor.failed():
+            raise EngineDeadError(f"a tensor-parallel worker failed: {why}")
+
     # -- KV sizing ----------------------------------------------------------------
     def _num_kv_blocks(self) -> int:
         cfg = self.config
@@ -117,6 +149,8 @@ class LLMEngine:
             blocks, field = int(cfg.kv_cache_memory_gb * 2**30 // per_block), "kv_cache_memory_gb"
         else:
             budget = cfg.kv_cache_memory_fraction * self.platform.available_memory()
+            if self.runner.device.type == "cpu":
+                budget /= cfg.world_size  # every rank's cache in this one memory
             blocks, field = int(budget // per_block), "kv_cache_memory_fraction"
         if blocks * cfg.block_size < self.max_model_len:
             raise ValueError(
@@ -277,6 +311,11 @@ class LLMEngine:
         try:
             outputs = self._step()
         except Exception as e:  # a PluginError too: a plugin may fail on one request's input only
+            if why := self._worker_failure():  # not a request's fault: the engine cannot go on
+                raise EngineDeadError(f"a tensor-parallel worker failed: {why}") from e
+            if isinstance(e, RanksOutOfStep):
+                self.ranks_in_step = False  # shutdown must not send them anything: they are in a collective
+                raise EngineDeadError(str(e)) from e
             return self._step_failed(e)
         if not iso.active:
             iso.cleared_all = False
@@ -287,6 +326,15 @@ class LLMEngine:
             if not iso.suspects:
                 self._end_isolation()
         return outputs
+
+    def _worker_failure(self) -> str | None:
+        """``executor.failed()`` after a step raised. NOTE: a killed worker's sockets close (and
+        fail rank 0's collective) just before its exit can be reaped; under tensor parallelism
+        the executor gets WORKER_EXIT_GRACE to see it, lest the step's requests be blamed."""
+        deadline = time.monotonic() + (WORKER_EXIT_GRACE if self.config.world_size > 1 else 0.0)
+        while (why := self.executor.failed()) is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return why
 
     def _step_failed(self, error: Exception) -> list[RequestOutput]:
         iso = self.isolation
@@ -494,6 +542,10 @@ class LLMEngine:
             "weight_bytes": self.runner.weight_bytes,  # as allocated, quantized or not
             "kv_cache_bytes": sum(c.numel() * c.element_size() for c in self.runner.kv_caches),
         }
+
+
+class EngineDeadError(RuntimeError):
+    """The engine cannot run another step (a tensor-parallel worker is gone)."""
 
 
 @dataclass(slots=True)

@@ -90,6 +90,12 @@ def register_platforms(register: Register) -> None:
     memory, compile and linear-weight rules (``platform:``, default the ``device``'s type)."""
 
 
+@hookspec
+def register_executors(register: Register) -> None:
+    """Register :class:`~modserve.core.interfaces.Executor` classes: how tensor-parallel ranks
+    beyond the engine's own get processes (``distributed_executor_backend: mp``, ``ray``)."""
+
+
 # kind -> hook name; the registry's single source of the kinds.
 KIND_HOOKS: dict[str, str] = {
     "attention_backend": "register_attention_backends",
@@ -101,4 +107,5 @@ KIND_HOOKS: dict[str, str] = {
     "proposer": "register_proposers",
     "model_architecture": "register_model_architectures",
     "platform": "register_platforms",
+    "executor": "register_executors",
 }

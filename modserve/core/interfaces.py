@@ -354,6 +354,14 @@ class CausalLM(torch.nn.Module):
     linear's checkpoint tensors to ``linear.load(name, tensor, shard)``. The vocabulary
     projection comes from ``make_linear.lm_head(hidden, vocab)``: float weights whatever the
     quantizer, loaded as a plain parameter. A model never knows which platform runs it.
+
+    Parallelism: under tensor parallelism ``make_linear.tp`` says this rank's share (heads,
+    intermediate size) and ``parallel=`` splits each projection; the embedding comes from
+    ``make_linear.embedding(vocab, hidden)``. Under pipeline parallelism the model builds
+    only the decoder layers in ``make_linear.layers`` and ``forward`` is called with
+    ``hidden_states=``: None on the first stage (embed ``input_ids``), else the previous
+    stage's output; the last stage (its layers end at the last one) returns the normed
+    hidden states, every other stage the residual stream as its last layer left it.
     """
 
     @abstractmethod
@@ -390,6 +398,12 @@ class LinearSpec:
 
     ``shard_sizes`` lists the output rows of each checkpoint tensor fused into the layer,
     in order (q, k, v for a fused qkv_proj); ``(out_features,)`` for an unfused layer.
+
+    Under tensor parallelism the sizes are this rank's: a ``column`` layer holds rows
+    ``shard_starts[i]:+shard_sizes[i]`` of each checkpoint shard, a ``row`` layer inputs
+    ``in_start:+in_features`` (and all-reduces its output). The core slices each checkpoint
+    tensor along the dimensions :meth:`Quantizer.tensor_layout` names before
+    ``load_weight`` sees it, so a quantizer loads a rank's tensors as a whole layer's.
     """
 
     in_features: int
@@ -398,9 +412,30 @@ class LinearSpec:
     bias: bool
     dtype: torch.dtype  # activations, and the weights of an unquantized layer
     device: torch.device  # where the weights will live (kernels are chosen by it)
+    parallel: str | None = None  # "column", "row" or None (replicated: every rank holds it whole)
+    tp_size: int = 1
+    shard_starts: tuple[int, ...] = ()  # column: this rank's first row in each checkpoint shard
+    in_start: int = 0  # row: this rank's first input channel
 
     def shard_offset(self, shard: int) -> int:
         return sum(self.shard_sizes[:shard])
+
+    @property
+    def full_in_features(self) -> int:
+        """The checkpoint's input channels (``in_features`` but for a row-parallel shard)."""
+        return self.in_features * self.tp_size if self.parallel == "row" else self.in_features
+
+
+@dataclass(frozen=True, slots=True)
+class TensorLayout:
+    """Where a checkpoint tensor of a linear keeps its output and input channels: the
+    dimension of each (None: not split, every rank loads it whole) and how many channels
+    one element covers along it (8 int4 values packed in an int32; a group's scale)."""
+
+    out_dim: int | None = 0
+    in_dim: int | None = 1
+    out_per_element: int = 1
+    in_per_element: int = 1
 
 
 class Quantizer(ABC):
@@ -442,6 +477,11 @@ class Quantizer(ABC):
     def tensor_names(self, spec: LinearSpec) -> tuple[str, ...]:
         """Checkpoint tensors every shard of a layer must provide (besides its bias)."""
         return ("weight",)
+
+    def tensor_layout(self, name: str, spec: LinearSpec) -> TensorLayout:
+        """How checkpoint tensor ``name`` splits under tensor parallelism. Default: an
+        ``[out, in]`` weight. Only asked when ``spec.tp_size > 1``."""
+        return TensorLayout()
 
     @abstractmethod
     def create_weights(self, layer: torch.nn.Module, spec: LinearSpec) -> None: ...
@@ -500,6 +540,9 @@ class Platform(ABC):
     on the layers the linear method multiplies (:func:`modserve.core.linear.float_layers`),
     and only that method reads it: the model stays the same on every platform.
     """
+
+    # The torch.distributed backend of this device's tensor-parallel collectives.
+    distributed_backend: ClassVar[str] = "gloo"
 
     def __init__(self, device: torch.device, options: BaseModel | None = None) -> None:
         self.device = device
@@ -668,3 +711,48 @@ class Proposer(ABC):
 
     def forget(self, seq: Sequence) -> None:
         """Drop any per-sequence state."""
+
+
+# ---------------------------------------------------------------------------
+# Executors
+# ---------------------------------------------------------------------------
+@dataclass(slots=True)
+class WorkerSpec:
+    """What one tensor-parallel rank > 0 needs to start: ``modserve.api.run_worker(spec)``."""
+
+    config: dict[str, Any]  # the engine's EngineConfig, as model_dump()
+    rank: int
+    world_size: int
+    init_method: str  # tcp://host:port of rank 0's rendezvous
+    backend: str  # gloo, nccl: the platform's
+    plugins: list[str]  # distributions whose plugins the driver loaded: the worker loads the same
+    env: dict[str, str] = field(default_factory=dict)  # the driver's MODSERVE_* and thread settings
+
+
+class Executor(ABC):
+    """Runs the model's tensor-parallel ranks 1..N-1 in processes of their own (rank 0 is the
+    engine's process) and watches them.
+
+    Contract: ``start(workers)`` returns once each ``modserve.api.run_worker(spec)`` is under
+    way in a process of its own (it blocks until rank 0 stops it, so do not wait for it); the
+    core then joins rank 0 to their group at ``rendezvous_host()``. ``failed()`` is polled by
+    the engine (cheap, never blocking): why a worker is gone, or None. ``shutdown()`` runs
+    after rank 0 told the workers to stop: wait a little, then kill what is left; no process
+    may outlive it. A world of one rank never calls ``start``.
+    """
+
+    def __init__(self, options: BaseModel | None = None) -> None:
+        self.options = options
+
+    def rendezvous_host(self) -> str:
+        """An address of this process's machine that every worker can reach."""
+        return "127.0.0.1"
+
+    @abstractmethod
+    def start(self, workers: list[WorkerSpec]) -> None: ...
+
+    @abstractmethod
+    def failed(self) -> str | None: ...
+
+    @abstractmethod
+    def shutdown(self) -> None: ...

@@ -19,14 +19,16 @@ import torch.nn.functional as F
 from torch import nn
 
 from modserve.core.interfaces import LinearSpec, Quantizer
+from modserve.core.parallel import TensorParallel
 from modserve.core.plugin_calls import quantized_apply
 
 
 class Linear(nn.Module):
     """``y = x @ W.T + b``; the quantizer holds W, the layer holds the float bias."""
 
-    def __init__(self, spec: LinearSpec, quantizer: Quantizer) -> None:
+    def __init__(self, spec: LinearSpec, quantizer: Quantizer, tp: TensorParallel = TensorParallel()) -> None:
         super().__init__()
+        self.tp = tp
         if sum(spec.shard_sizes) != spec.out_features:
             raise ValueError(f"shard sizes {spec.shard_sizes} do not add up to {spec.out_features} outputs")
         self.spec = spec
@@ -38,16 +40,36 @@ class Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] -> [T, out]
         if torch.compiler.is_compiling():  # NOTE: traced code stays free of the checks' branches
-            return self.quantizer.apply(self, x)
-        return quantized_apply(self, x)
+            y = self.quantizer.apply(self, x)
+        else:
+            y = quantized_apply(self, x)
+        return self.tp.all_reduce(y) if self.spec.parallel == "row" else y  # the ranks' partial sums
 
     def load(self, name: str, tensor: torch.Tensor, shard: int = 0) -> None:
-        """One checkpoint tensor (``name``: its last name part) of output shard ``shard``."""
+        """One checkpoint tensor (``name``: its last name part) of output shard ``shard``,
+        this rank's slice of it under tensor parallelism."""
         if name == "bias" and self.bias is not None:
+            if self.spec.parallel == "row" and self.tp.rank:
+                tensor = torch.zeros_like(tensor)  # added once, by rank 0, before the all-reduce
+            elif self.spec.parallel == "column":
+                tensor = tensor.narrow(0, self.spec.shard_starts[shard], self.spec.shard_sizes[shard])
             load_shard(self.bias, tensor, self.spec, shard, dim=0, name=name)
         else:
-            self.quantizer.load_weight(self, name, tensor, shard)
+            self.quantizer.load_weight(self, name, self._rank_slice(name, tensor, shard), shard)
         self.loaded.add((name, shard))
+
+    def _rank_slice(self, name: str, tensor: torch.Tensor, shard: int) -> torch.Tensor:
+        spec = self.spec
+        if spec.tp_size == 1 or spec.parallel is None:
+            return tensor
+        layout = self.quantizer.tensor_layout(name, spec)
+        if spec.parallel == "column" and layout.out_dim is not None:
+            per = layout.out_per_element
+            return tensor.narrow(layout.out_dim, spec.shard_starts[shard] // per, spec.shard_sizes[shard] // per)
+        if spec.parallel == "row" and layout.in_dim is not None:
+            per = layout.in_per_element
+            return tensor.narrow(layout.in_dim, spec.in_start // per, spec.in_features // per)
+        return tensor
 
     def missing(self) -> list[str]:
         names = self.quantizer.tensor_names(self.spec) + (("bias",) if self.spec.bias else ())
@@ -67,17 +89,64 @@ class Linear(nn.Module):
 class LMHead(nn.Module):
     """The vocabulary projection ``[N, hidden] -> [N, vocab]``: a float ``weight`` (the
     embedding's, when tied) that no quantizer ever owns, multiplied by the platform's
-    linear method like every unquantized linear's."""
+    linear method like every unquantized linear's. Under tensor parallelism each rank holds
+    rows ``vocab_start:+out_features`` of the padded vocabulary and the logits are gathered."""
 
-    def __init__(self, spec: LinearSpec, method: "Unquantized") -> None:
+    def __init__(self, spec: LinearSpec, method: "Unquantized", tp: TensorParallel = TensorParallel(),
+                 vocab_size: int | None = None) -> None:
         super().__init__()
-        self.spec = spec
+        self.spec, self.tp = spec, tp
         self.quantizer = method  # always a float method
         self.bias = None
+        self.vocab_size = vocab_size or spec.out_features
+        self.vocab_start = tp.rank * spec.out_features
         method.create_weights(self, spec)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, vocab]
-        return self.quantizer.apply(self, x)
+        y = self.quantizer.apply(self, x)
+        return y if self.tp.size == 1 else self.tp.all_gather(y)[:, : self.vocab_size]
+
+    def load(self, name: str, tensor: torch.Tensor, shard: int = 0) -> None:
+        load_vocab_rows(self.weight, tensor, self.vocab_start, self.vocab_size, name)
+
+
+class VocabEmbedding(nn.Module):
+    """Token ids ``[T]`` to rows ``[T, hidden]``; under tensor parallelism each rank looks
+    up the ids in its share of the vocabulary, zeros for the others, and the ranks sum."""
+
+    def __init__(self, vocab_size: int, hidden: int, tp: TensorParallel = TensorParallel()) -> None:
+        super().__init__()
+        rows = vocab_size if tp.size == 1 else padded_vocab(vocab_size, tp.size) // tp.size
+        self.tp, self.vocab_size, self.vocab_start = tp, vocab_size, tp.rank * rows
+        self.weight = nn.Parameter(torch.empty(rows, hidden))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.tp.size == 1:
+            return F.embedding(ids, self.weight)
+        local = ids - self.vocab_start
+        outside = (local < 0) | (local >= self.weight.shape[0])
+        x = F.embedding(local.masked_fill(outside, 0), self.weight).masked_fill(outside[:, None], 0.0)
+        return self.tp.all_reduce(x)
+
+    def load(self, name: str, tensor: torch.Tensor, shard: int = 0) -> None:
+        load_vocab_rows(self.weight, tensor, self.vocab_start, self.vocab_size, name)
+
+
+def padded_vocab(vocab_size: int, tp_size: int, multiple: int = 64) -> int:
+    """The vocabulary rounded up so every rank holds an equal multiple of 64 rows (vLLM's rule)."""
+    step = multiple * tp_size
+    return -(-vocab_size // step) * step
+
+
+def load_vocab_rows(dst: torch.Tensor, src: torch.Tensor, start: int, vocab_size: int, name: str) -> None:
+    """Rows ``start:+len(dst)`` of a ``[vocab, hidden]`` checkpoint tensor; padding rows zero."""
+    if tuple(src.shape) != (vocab_size, dst.shape[1]):
+        raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(src.shape)}, expected "
+                         f"{(vocab_size, dst.shape[1])}")
+    rows = src[start : start + dst.shape[0]]
+    with torch.no_grad():
+        dst[: rows.shape[0]].copy_(rows)
+        dst[rows.shape[0] :].zero_()
 
 
 class Unquantized(Quantizer):
@@ -108,21 +177,43 @@ class LinearFactory:
     default :class:`Unquantized`), and so does its LM head, quantizer or not."""
 
     def __init__(self, quantizer: Quantizer | None, dtype: torch.dtype, device: torch.device | str,
-                 float_method: Unquantized | None = None) -> None:
+                 float_method: Unquantized | None = None, tp: TensorParallel = TensorParallel(),
+                 layers: range | None = None) -> None:
         self.float_method = float_method or Unquantized()
         self.quantizer = quantizer or self.float_method
         self.dtype = dtype
         self.device = torch.device(device)
+        self.tp = tp  # models read tp.size to size their heads
+        self.layers = layers  # the decoder layers this pipeline stage builds; None: all
 
     def __call__(self, in_features: int, out_features: int, *, bias: bool = False,
-                 shard_sizes: tuple[int, ...] | None = None) -> Linear:
-        spec = LinearSpec(in_features, out_features, tuple(shard_sizes or (out_features,)), bias, self.dtype,
-                          self.device)
-        return Linear(spec, self.quantizer)
+                 shard_sizes: tuple[int, ...] | None = None, parallel: str | None = None,
+                 shard_replicas: tuple[int, ...] | None = None) -> Linear:
+        """``parallel``: ``column`` splits each output shard over the ranks (``shard_replicas[i]``
+        ranks holding the same rows of shard i: KV heads fewer than ranks), ``row`` splits the
+        inputs and sums the ranks' outputs; None keeps the layer whole on every rank."""
+        sizes, tp = tuple(shard_sizes or (out_features,)), self.tp
+        if tp.size == 1 or parallel is None:
+            spec = LinearSpec(in_features, out_features, sizes, bias, self.dtype, self.device)
+        elif parallel == "column":
+            parts = [tp.part(size, r) for size, r in zip(sizes, shard_replicas or (1,) * len(sizes))]
+            rank_sizes = tuple(size for _, size in parts)
+            spec = LinearSpec(in_features, sum(rank_sizes), rank_sizes, bias, self.dtype, self.device, "column",
+                              tp.size, tuple(start for start, _ in parts))
+        elif parallel == "row":
+            start, size = tp.part(in_features)
+            spec = LinearSpec(size, out_features, sizes, bias, self.dtype, self.device, "row", tp.size, in_start=start)
+        else:
+            raise ValueError(f"parallel must be 'column', 'row' or None, not {parallel!r}")
+        return Linear(spec, self.quantizer, tp)
 
     def lm_head(self, in_features: int, out_features: int) -> LMHead:
-        spec = LinearSpec(in_features, out_features, (out_features,), False, self.dtype, self.device)
-        return LMHead(spec, self.float_method)
+        rows = out_features if self.tp.size == 1 else padded_vocab(out_features, self.tp.size) // self.tp.size
+        spec = LinearSpec(in_features, rows, (rows,), False, self.dtype, self.device)
+        return LMHead(spec, self.float_method, self.tp, out_features)
+
+    def embedding(self, vocab_size: int, hidden: int) -> VocabEmbedding:
+        return VocabEmbedding(vocab_size, hidden, self.tp)
 
 
 linear_factory = LinearFactory  # the name models and tools have always built it by

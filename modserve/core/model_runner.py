@@ -2,21 +2,23 @@
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 import torch
 
-from modserve.core.batch import build_batch
+from modserve.core.batch import build_batch, micro_batch_count, split_batch
 from modserve.core.config import EngineConfig
 from modserve.core.grammar import fill_token_bitmask
 from modserve.core.interfaces import (AttentionMetadata, AttentionSpec, ModelLoad, Platform, SamplerOutput,
                                       SamplingBatch)
 from modserve.core.linear import default_dtype, finish_linears, linear_factory, model_bytes
 from modserve.core.loader import checkpoint_dtype, iter_weights
+from modserve.core.parallel import PipelineStage, RanksOutOfStep, TensorParallel
 from modserve.core.plugin_calls import calling, sampled_ids
 from modserve.core.quantization import kv_cache_dtype, select_quantizer
 from modserve.core.registry import Registry
@@ -92,11 +94,30 @@ def _join_rows(parts: list[SamplerOutput]) -> SamplerOutput | None:
     return out
 
 
+def on_every_rank(method: Callable) -> Callable:
+    """A runner call every tensor-parallel rank makes: rank 0 sends it to the others first."""
+    @functools.wraps(method)
+    def call(self: ModelRunner, *args: Any) -> Any:
+        if self.tp.size * self.pp.size == 1 or not self.tp.driver:
+            return method(self, *args)
+        self.tp.broadcast((method.__name__, args))
+        try:
+            return method(self, *args)
+        except Exception as e:  # the others may wait in a collective rank 0 never reaches: no retry
+            raise RanksOutOfStep(f"rank 0 failed in {method.__name__} while the other ranks ran it: "
+                                 f"{type(e).__name__}: {e}") from e
+    return call
+
+
 class ModelRunner:
     def __init__(self, config: EngineConfig, hf_config: Any, registry: Registry, dtype: torch.dtype,
                  max_model_len: int, eos_token_ids: set[int], progress: bool = True,
-                 platform: Platform | None = None) -> None:
+                 platform: Platform | None = None, tp: TensorParallel = TensorParallel(),
+                 pp: PipelineStage = PipelineStage()) -> None:
         self.config = config
+        self.tp, self.pp = tp, pp
+        # This stage's layers (all of them without pipeline parallelism); its KV cache holds only theirs.
+        self.layers = pp.layers(hf_config.num_hidden_layers, config.pp_layer_partition)
         self.eos_token_ids = sorted(eos_token_ids)
         self.hf_config = hf_config
         self.device = torch.device(config.device)
@@ -105,10 +126,11 @@ class ModelRunner:
         self.block_size = config.block_size
         num_heads = hf_config.num_attention_heads
         head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // num_heads
-        self.attn_spec = AttentionSpec(
+        num_kv_heads = getattr(hf_config, "num_key_value_heads", None) or num_heads
+        self.attn_spec = AttentionSpec(  # this rank's heads; KV heads fewer than ranks are replicated
             num_layers=hf_config.num_hidden_layers,
-            num_heads=num_heads,
-            num_kv_heads=getattr(hf_config, "num_key_value_heads", None) or num_heads,
+            num_heads=tp.part(num_heads)[1],
+            num_kv_heads=tp.part(num_kv_heads, max(1, tp.size // num_kv_heads))[1],
             head_dim=head_dim,
             scale=head_dim**-0.5,
             block_size=config.block_size,
@@ -131,7 +153,8 @@ class ModelRunner:
             raise ValueError("config.json names no 'architectures'")
         model_cls = registry.load("model_architecture", archs[0])
         self.quantizer = select_quantizer(self.config.quantization, self.hf_config, registry)
-        make_linear = linear_factory(self.quantizer, self.dtype, self.device, self.platform.linear_method())
+        make_linear = linear_factory(self.quantizer, self.dtype, self.device, self.platform.linear_method(), self.tp,
+                                     self.layers)
         with torch.device("meta"), default_dtype(self.dtype):
             model = model_cls(self.hf_config, self.attn, max_model_len, make_linear=make_linear)
         model = model.to_empty(device=self.device)
@@ -174,18 +197,19 @@ class ModelRunner:
     # -- KV cache -----------------------------------------------------------------
     def kv_bytes_per_block(self) -> int:
         shape = self.attn.kv_cache_shape(1)
-        return int(np.prod(shape)) * self.attn_spec.kv_cache_dtype.itemsize * self.attn_spec.num_layers
+        return int(np.prod(shape)) * self.attn_spec.kv_cache_dtype.itemsize * len(self.layers)
 
+    @on_every_rank
     def allocate_kv_cache(self, num_blocks: int, num_host_blocks: int = 0) -> None:
         # Zeroed once: masked-out slots must hold finite values (0 * NaN would poison attention).
         shape = self.attn.kv_cache_shape(num_blocks)
         kv_dtype = self.attn_spec.kv_cache_dtype
-        self.kv_caches = [torch.zeros(shape, dtype=kv_dtype, device=self.device)
-                          for _ in range(self.attn_spec.num_layers)]
+        self.kv_caches = [torch.zeros(shape if i in self.layers else 0, dtype=kv_dtype, device=self.device)
+                          for i in range(self.attn_spec.num_layers)]  # another stage's layers: empty
         host_shape = self.attn.kv_cache_shape(num_host_blocks)
         pin = self.device.type == "cuda"
-        self.host_caches = [torch.zeros(host_shape, dtype=kv_dtype, pin_memory=pin)
-                            for _ in range(self.attn_spec.num_layers)] if num_host_blocks else []
+        self.host_caches = [torch.zeros(host_shape if i in self.layers else 0, dtype=kv_dtype, pin_memory=pin)
+                            for i in range(self.attn_spec.num_layers)] if num_host_blocks else []
 
     @torch.inference_mode()
     def move_blocks(self, copies: list[tuple[int, int]], swap_out: list[tuple[int, int]],
@@ -203,8 +227,8 @@ class ModelRunner:
             # Not non_blocking into host memory: that copy returns before its bytes land, and
             # the host-side index_put below would read them early.
             to_device = dst_caches[0].device.type != "cpu"
-            for s_cache, d_cache in zip(src_caches, dst_caches):
-                d_cache[:, dst] = s_cache[:, src].to(d_cache.device, non_blocking=to_device)
+            for i in self.layers:
+                dst_caches[i][:, dst] = src_caches[i][:, src].to(dst_caches[i].device, non_blocking=to_device)
 
     # -- one step -------------------------------------------------------------------
     @torch.inference_mode()
@@ -212,41 +236,79 @@ class ModelRunner:
         """Run one scheduled step: its block moves, then the model on each sequence's
         scheduled tokens (its drafts last); sample for the sequences whose last token the
         step reaches, and verify the drafts of those that speculate."""
-        self.move_blocks(scheduled.copies, scheduled.swap_out, scheduled.swap_in)
         batch = self._prepare(scheduled.seqs, scheduled.num_new_tokens, scheduled.draft_tokens)
-        hidden = self._forward(batch.input_ids, batch.meta)  # [T, hidden]
+        prompt_rows = torch.tensor(batch.prompt_rows, dtype=torch.int64, device=self.device)
+        logits = self.run_model(scheduled.copies, scheduled.swap_out, scheduled.swap_in, batch.input_ids,
+                                batch.meta, [batch.sample_rows, batch.spec_rows, prompt_rows])
         out, parts = ModelOutput(), []
         if batch.sampled:
-            seqs, samples, tokens = self._sample(batch.sampled, self.model.compute_logits(hidden[batch.sample_rows]))
+            seqs, samples, tokens = self._sample(batch.sampled, logits[0])
             out.token_ids = {s: [t] for s, t in zip(seqs, tokens)}
             parts.append(samples)
         if batch.speculating:
             seqs = batch.speculating
             tokens, samples = verify_drafts(self, seqs, [scheduled.draft_tokens[s] for s in seqs],
-                                            [scheduled.draft_probs.get(s) for s in seqs],
-                                            self.model.compute_logits(hidden[batch.spec_rows]))
+                                            [scheduled.draft_probs.get(s) for s in seqs], logits[1])
             out.token_ids.update(zip(seqs, tokens))
             parts.append(samples)
         out.samples = _join_rows(parts)
         if batch.prompt_seqs:
-            out.prompt_seqs, out.prompt_samples = batch.prompt_seqs, self._prompt_logprobs(hidden, batch)
+            out.prompt_seqs, out.prompt_samples = batch.prompt_seqs, self._prompt_logprobs(logits[2], batch)
         return out
 
-    def _prompt_logprobs(self, hidden: torch.Tensor, batch: ModelInput) -> SamplerOutput:
+    @on_every_rank
+    @torch.inference_mode()
+    def run_model(self, copies: list[tuple[int, int]], swap_out: list[tuple[int, int]],
+                  swap_in: list[tuple[int, int]], input_ids: torch.Tensor, meta: AttentionMetadata,
+                  logit_rows: list[torch.Tensor]) -> list[torch.Tensor | None]:
+        """The step's tensor work, on every rank: block moves, the forward, then the logits
+        ``[R, vocab]`` of each set of rows (None for an empty one)."""
+        self.move_blocks(copies, swap_out, swap_in)
+        pp = self.pp
+        if pp.size == 1:
+            hidden = self._forward(input_ids, meta)  # [T, hidden]
+            return [self.model.compute_logits(hidden[rows]) if rows.numel() else None for rows in logit_rows]
+        # A stage: its micro-batches one after another, each the previous stage's hidden states
+        # in, this stage's layers, out to the next (sent without waiting: the next micro-batch
+        # starts meanwhile); the last stage's logits go to rank 0, which samples.
+        count = micro_batch_count(self.config.pipeline_micro_batches, pp.size, meta.num_tokens)
+        parts = split_batch(input_ids, meta, logit_rows, count)
+        sends, logits = [], []
+        for ids, part_meta, rows in parts:
+            like = torch.empty(ids.shape[0], self.hf_config.hidden_size, dtype=self.dtype, device=self.device)
+            hidden = self._forward(ids, part_meta, None if pp.first else pp.recv_prev(like))
+            if pp.last:
+                logits.append([self.model.compute_logits(hidden[r]).float() if r.numel() else None for r in rows])
+            else:
+                sends.append(pp.send_next(hidden))  # (work, tensor): the tensor lives until its send is done
+        for work, _ in sends:
+            work.wait()
+        if not pp.last:
+            shapes = [(rows.numel(), self.vocab_size) if rows.numel() else None for rows in logit_rows]
+            return pp.logits_from_last(shapes, torch.float32, self.device) if self.tp.driver else []
+        joined = [torch.cat([p[i] for p in logits if p[i] is not None]) if logit_rows[i].numel() else None
+                  for i in range(len(logit_rows))]
+        if self.tp.rank == 0:
+            pp.logits_to_rank0(joined)
+        return joined
+
+    def _prompt_logprobs(self, logits: torch.Tensor, batch: ModelInput) -> SamplerOutput:
         """Log-softmax (float32, of the raw logits) at every prompt row, read at the next
         prompt token, and the top N; the rows of sequences that asked, no others."""
-        rows = torch.tensor(batch.prompt_rows, dtype=torch.int64, device=self.device)
-        raw = self.model.compute_logits(hidden[rows]).float().log_softmax(dim=-1)  # [P', V]
+        raw = logits.float().log_softmax(dim=-1)  # [P', V]
         out = SamplerOutput(torch.tensor(batch.prompt_targets, dtype=torch.int64, device=self.device))
         add_logprobs(out, raw, max(s.params.prompt_logprobs for s in batch.prompt_seqs))
         # One copy to the host: the engine reads them entry by entry.
         return SamplerOutput(*(t if t is None else t.cpu() for t in
                                (out.token_ids, out.logprobs, out.ranks, out.top_ids, out.top_logprobs)))
 
-    def _forward(self, input_ids: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:  # [T, hidden]
+    def _forward(self, input_ids: torch.Tensor, meta: AttentionMetadata,
+                 hidden_states: torch.Tensor | None = None) -> torch.Tensor:  # [T, hidden]
         with calling(self.attn, "attention_backend", "prepare()"):
             state = self.attn.prepare(meta)
-        return self.model(input_ids, meta.positions, self.kv_caches, meta, state)
+        if self.pp.size == 1:
+            return self.model(input_ids, meta.positions, self.kv_caches, meta, state)
+        return self.model(input_ids, meta.positions, self.kv_caches, meta, state, hidden_states=hidden_states)
 
     def _sample(self, seqs: list[Sequence], logits: torch.Tensor) -> tuple[list[Sequence], SamplerOutput, list[int]]:
         """One token per sequence, and one for each sample (n > 1) that forks from it: the

@@ -16,6 +16,7 @@ import importlib.metadata as md
 import logging
 import os
 import threading
+import types
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
@@ -154,6 +155,15 @@ class Registry:
         self.pm.unregister(name=name)
         self._dists.pop(name, None)
         self._by_kind = None
+
+    def sources(self) -> list[str]:
+        """Where this registry's plugins came from, for another process to load the same: the
+        distributions of entry-point plugins, ``module:NAME`` for modules added directly."""
+        out = {_norm(dist) for dist, _ in self._dists.values() if dist != "<local>"}
+        for name, plugin in self.pm.list_name_plugin():
+            if self._dists.get(name, ("<local>",))[0] == "<local>" and isinstance(plugin, types.ModuleType):
+                out.add(f"module:{plugin.__name__}")
+        return sorted(out)
 
     @property
     def failures(self) -> list[LoadFailure]:

@@ -8,7 +8,10 @@ group of ``g`` input channels. AWQ stores the transposed weight, ``W.T: [in, out
     scales  [K / g, N]  float16
 
 Output channels run along dim 1 of every tensor, so a fused layer's shards (q, k, v)
-are concatenated along dim 1 (of ``qweight``: at ``offset / 8``).
+are concatenated along dim 1 (of ``qweight``: at ``offset / 8``). Under tensor parallelism
+(:meth:`AWQ.tensor_layout`) a column-parallel rank takes its output channels along dim 1
+(8 per int32 of ``qweight`` and ``qzeros``), a row-parallel one its input channels along
+dim 0 (one per row of ``qweight``, a group of ``g`` per row of ``qzeros`` and ``scales``).
 
 Kernels: ``dequant`` unpacks the weight into a reused float buffer and runs one GEMM (any
 device); ``int4pack`` repacks for torch's int4 CPU kernel at load; ``triton`` is a fused
@@ -23,7 +26,7 @@ import torch
 from pydantic import BaseModel, ConfigDict
 from torch import nn
 
-from modserve.api import LinearSpec, Quantizer, check_name, load_shard, param
+from modserve.api import LinearSpec, Quantizer, TensorLayout, check_name, load_shard, param
 from modserve.quantizers.packing import (
     AWQ_ORDER, INT4PACK_GROUP_SIZES, Workspace, avx512, from_int4pack, int4pack_mm, to_int4pack, unpack_cols,
 )
@@ -66,10 +69,17 @@ class AWQ(Quantizer):
     def tensor_names(self, spec: LinearSpec) -> tuple[str, ...]:
         return TENSORS
 
+    def tensor_layout(self, name: str, spec: LinearSpec) -> TensorLayout:
+        # every tensor is [inputs (one per row, or a group's), outputs (8 per int32 when packed)]
+        return TensorLayout(out_dim=1, in_dim=0, out_per_element=1 if name == "scales" else 8,
+                            in_per_element=1 if name == "qweight" else self.group_size)
+
     def create_weights(self, layer: nn.Module, spec: LinearSpec) -> None:
         k, n, g = spec.in_features, spec.out_features, self.group_size
+        # (a rank's first row or input is a multiple of its share: these checks cover it too)
         if k % g or any(size % 8 for size in spec.shard_sizes):
-            raise ValueError(f"awq: a layer of {k} inputs and output shards {spec.shard_sizes} does not fit "
+            what = "" if spec.tp_size == 1 else f" (this rank's share over {spec.tp_size} tensor-parallel ranks)"
+            raise ValueError(f"awq: a layer of {k} inputs and output shards {spec.shard_sizes}{what} does not fit "
                              f"group size {g} and 8 outputs per int32")
         layer.kernel = self.kernel(spec)
         layer.qweight = param(torch.empty(k, n // 8, dtype=torch.int32))

@@ -8,6 +8,10 @@ quantized per token on the fly (``x ≈ e4m3(x / a[t]) * a[t]``) and both scales
 to the fp32 accumulator. (Ada, 8.9, has fp8 tensor cores too, but torch's row-wise scaled
 fp8 GEMM was written for 9.0+; force ``kernel: scaled_mm`` to try it there.)
 Elsewhere the weight is dequantized to the activation dtype and multiplied as usual.
+
+Under tensor parallelism the default ``[out, in]`` layout applies: a column-parallel rank
+quantizes whole rows (TP=1's weights exactly), a row-parallel one its share of each row's
+inputs, with scales of its own.
 """
 
 from __future__ import annotations

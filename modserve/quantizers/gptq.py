@@ -15,6 +15,15 @@ Output channels run along dim 1, so fused shards concatenate along dim 1 (of ``q
 at ``offset / pack``). Every shard of a fused layer must carry the same ``g_idx``: they
 share their input, so GPTQ orders their columns alike.
 
+Tensor parallelism (:meth:`GPTQ.tensor_layout`): a column-parallel rank takes its output
+channels along dim 1 of every tensor (``g_idx`` whole). A row-parallel rank takes its input
+channels: rows of ``qweight`` (``pack`` per row) and of ``g_idx``, and its groups, rows of
+``scales`` and ``qzeros``; its ``g_idx`` then counts from its first group. With act order
+(``desc_act``) its channels belong to any of the checkpoint's groups, so it keeps every
+group's ``scales`` and ``qzeros`` and the checkpoint's ``g_idx`` (``int4pack`` cannot run
+such a shard: its groups are not runs of ``group_size`` channels; auto picks ``dequant``).
+``group_size`` -1 keeps its single group whole on every rank.
+
 Kernels: ``dequant`` (any device, any g_idx) or, for 4 bits, ``int4pack``: torch's int4 CPU
 kernel after permuting the input channels so that groups are contiguous; each forward
 then gathers ``x[:, perm]``.
@@ -28,7 +37,7 @@ import torch
 from pydantic import BaseModel, ConfigDict
 from torch import nn
 
-from modserve.api import LinearSpec, Quantizer, check_name, load_shard, param
+from modserve.api import LinearSpec, Quantizer, TensorLayout, check_name, load_shard, param
 from modserve.quantizers.packing import (
     INT4PACK_GROUP_SIZES, Workspace, avx512, from_int4pack, int4pack_mm, to_int4pack, unpack_cols, unpack_rows,
 )
@@ -61,16 +70,34 @@ class GPTQ(Quantizer):
         self.workspace = Workspace()
 
     def groups(self, spec: LinearSpec) -> tuple[int, int]:
-        """(group size, number of groups); group_size -1 means one group per output channel."""
-        g = spec.in_features if self.group_size == -1 else self.group_size
-        return g, spec.in_features // g
+        """(group size, number of groups the layer keeps); group_size -1 means one group of
+        every input channel (on each rank of a row-parallel layer: its own channels)."""
+        if self.group_size == -1:
+            return spec.in_features, 1
+        k = spec.full_in_features if self.whole_groups(spec) else spec.in_features
+        return self.group_size, k // self.group_size
+
+    def whole_groups(self, spec: LinearSpec) -> bool:
+        """A row-parallel shard of an act-order checkpoint: its input channels belong to any of
+        the checkpoint's groups, so it keeps all of them (scales, zeros) and their ``g_idx``."""
+        return spec.parallel == "row" and spec.tp_size > 1 and self.desc_act and self.group_size != -1
 
     def kernel(self, spec: LinearSpec) -> str:
         if self.options.kernel != "auto":
             return self.options.kernel
         g, _ = self.groups(spec)
-        fits = self.bits == 4 and g in INT4PACK_GROUP_SIZES
+        fits = self.bits == 4 and g in INT4PACK_GROUP_SIZES and not self.whole_groups(spec)
         return "int4pack" if spec.device.type == "cpu" and avx512() and fits else "dequant"
+
+    def tensor_layout(self, name: str, spec: LinearSpec) -> TensorLayout:
+        if name == "qweight":  # [K / pack, N]
+            return TensorLayout(out_dim=1, in_dim=0, in_per_element=self.pack)
+        if name == "g_idx":  # [K]
+            return TensorLayout(out_dim=None, in_dim=0)
+        # qzeros [groups, N / pack], scales [groups, N]: a group per row, unless every rank keeps them all
+        keep = self.group_size == -1 or self.whole_groups(spec)
+        return TensorLayout(out_dim=1, in_dim=None if keep else 0,
+                            out_per_element=self.pack if name == "qzeros" else 1, in_per_element=max(self.group_size, 1))
 
     def tensor_names(self, spec: LinearSpec) -> tuple[str, ...]:
         return TENSORS
@@ -78,10 +105,16 @@ class GPTQ(Quantizer):
     def create_weights(self, layer: nn.Module, spec: LinearSpec) -> None:
         k, n, p = spec.in_features, spec.out_features, self.pack
         g, groups = self.groups(spec)
-        if k % g or k % p or any(size % p for size in spec.shard_sizes):
-            raise ValueError(f"gptq: a layer of {k} inputs and output shards {spec.shard_sizes} does not fit "
+        whole = self.whole_groups(spec)
+        # (a rank's first row or input is a multiple of its share: these checks cover it too)
+        if (spec.full_in_features if whole else k) % g or k % p or any(size % p for size in spec.shard_sizes):
+            what = "" if spec.tp_size == 1 else f" (this rank's share over {spec.tp_size} tensor-parallel ranks)"
+            raise ValueError(f"gptq: a layer of {k} inputs and output shards {spec.shard_sizes}{what} does not fit "
                              f"group size {g} and {p} values per int32")
         layer.kernel = self.kernel(spec)
+        if layer.kernel == "int4pack" and whole:
+            raise ValueError("gptq: kernel int4pack cannot run a row-parallel shard of an act-order (desc_act) "
+                             "checkpoint: its input channels do not form whole groups; use kernel dequant or auto")
         layer.qweight = param(torch.empty(k // p, n, dtype=torch.int32))
         layer.qzeros = param(torch.empty(groups, n // p, dtype=torch.int32))
         layer.scales = param(torch.empty(groups, n, dtype=torch.float16))
@@ -90,6 +123,7 @@ class GPTQ(Quantizer):
     def load_weight(self, layer: nn.Module, name: str, tensor: torch.Tensor, shard: int) -> None:
         check_name(self, name, (*TENSORS, "g_idx"))
         if name == "g_idx":
+            tensor = self._local_g_idx(layer.spec, tensor)
             if any(n == "g_idx" for n, _ in layer.loaded):  # a later shard of a fused layer
                 if not torch.equal(layer.g_idx, tensor.to(layer.g_idx)):
                     raise ValueError("gptq: the shards of a fused layer have different g_idx")
@@ -100,17 +134,29 @@ class GPTQ(Quantizer):
         load_shard(getattr(layer, name), tensor, layer.spec, shard, dim=1, name=name,
                    pack=self.pack if name == "qzeros" else 1)
 
+    def _local_g_idx(self, spec: LinearSpec, g_idx: torch.Tensor) -> torch.Tensor:
+        """This layer's rank's ``g_idx``: a row-parallel shard's counts from its first group
+        (unless it keeps every group); each must name a group the layer keeps."""
+        g, groups = self.groups(spec)
+        if spec.parallel == "row" and spec.tp_size > 1 and not self.whole_groups(spec):
+            g_idx = g_idx - (spec.in_start // g if self.group_size != -1 else 0)
+        if g_idx.numel() and (int(g_idx.min()) < 0 or int(g_idx.max()) >= groups):
+            hint = "; is it act-order (desc_act) though its config says otherwise?" if spec.tp_size > 1 else ""
+            raise ValueError(f"gptq: g_idx names groups outside the layer's {groups}{hint}")
+        return g_idx
+
     def process_weights(self, layer: nn.Module) -> None:
-        k = layer.spec.in_features
-        g, _ = self.groups(layer.spec)
+        spec = layer.spec
+        k, whole = spec.in_features, self.whole_groups(spec)
+        g, _ = self.groups(spec)
         in_order = torch.arange(k, device=layer.g_idx.device, dtype=torch.int32) // g
         if not any(n == "g_idx" for n, _ in layer.loaded):
-            with torch.no_grad():
-                layer.g_idx.copy_(in_order)
+            with torch.no_grad():  # groups in input order; a shard that keeps every group starts at its own
+                layer.g_idx.copy_((torch.arange(k, dtype=torch.int32) + spec.in_start) // g if whole else in_order)
         # Channels sorted by group: with act order, x[:, perm] makes the groups contiguous.
         perm = torch.argsort(layer.g_idx, stable=True)
         sorted_groups = torch.equal(layer.g_idx[perm], in_order)
-        layer.trivial_g_idx = torch.equal(layer.g_idx, in_order)
+        layer.trivial_g_idx = not whole and torch.equal(layer.g_idx, in_order)
         if layer.kernel != "int4pack":
             return
         if not sorted_groups:

@@ -5,6 +5,10 @@
 
 Each output row has its own scale, so a fused layer's shards quantize independently as
 they arrive: no float copy of the model is ever held.
+
+Under tensor parallelism the default ``[out, in]`` layout applies: a column-parallel rank
+quantizes whole rows (TP=1's int8 weights exactly), a row-parallel one its share of each
+row's inputs, with scales of its own (finer, so the logits differ from TP=1's by int8 rounding).
 """
 
 from __future__ import annotations

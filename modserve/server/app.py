@@ -5,7 +5,7 @@ from __future__ import annotations
 import hmac
 import logging
 from contextlib import asynccontextmanager
-from typing import AsyncIterator
+from typing import AsyncIterator, Sequence
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -18,12 +18,13 @@ import modserve
 from modserve.core.engine import LLMEngine
 from modserve.core.registry import PluginError
 from modserve.server.chat_tokenizer import ChatTokenizer
-from modserve.server.async_engine import AsyncEngine
+from modserve.server.async_engine import DEAD_MESSAGE, AsyncEngine
 from modserve.server.chat import chat_prompt, create_chat_completion
 from modserve.server.completions import create_completion
 from modserve.server.errors import APIError, from_validation_error, invalid
 from modserve.server.metrics import ServerMetrics
 from modserve.server.openapi import declare_errors
+from modserve.server.replicas import ReplicaSet
 from modserve.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                       DetokenizeResponse, ModelCard, ModelList, TokenizeRequest, TokenizeResponse)
 from modserve.server.limits import BodyLimitMiddleware, default_max_body_bytes
@@ -36,11 +37,17 @@ logger = logging.getLogger("modserve.server")
 PROTECTED_PREFIXES = ("/v1/", "/tokenize", "/detokenize")
 
 
-def create_app(engine: LLMEngine, api_key: str | None = None) -> FastAPI:
-    """An app serving ``engine``; the engine thread starts and stops with the app's lifespan."""
+def create_app(engine: LLMEngine | Sequence[LLMEngine], api_key: str | None = None) -> FastAPI:
+    """An app serving ``engine``; the engine thread starts and stops with the app's lifespan.
+
+    Several engines (data parallelism: replicas of one config, :func:`replicas.build_engines`)
+    are served as one, each request routed to one of them by ``data_parallel_routing``."""
+    engines = [engine] if isinstance(engine, LLMEngine) else list(engine)
+    engine = engines[0]
     config = engine.config
     metrics = ServerMetrics()
-    async_engine = AsyncEngine(engine, observer=metrics)
+    async_engine: AsyncEngine | ReplicaSet = AsyncEngine(engine, observer=metrics) if len(engines) == 1 \
+        else ReplicaSet(engines, observer=metrics)
     tokenizer_path = config.tokenizer or config.model
     template = config.chat_template_text()
     names = config.served_model_names()
@@ -60,6 +67,8 @@ def create_app(engine: LLMEngine, api_key: str | None = None) -> FastAPI:
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         async_engine.start()
         logger.info("serving %s (max_model_len=%d)", state.model_name, state.max_model_len)
+        if isinstance(async_engine, ReplicaSet):
+            logger.info("data parallel: %d engine replicas, %s routing", len(async_engine), async_engine.routing)
         try:
             yield
         finally:
@@ -101,7 +110,8 @@ def _add_routes(app: FastAPI, state: ServerState, metrics: ServerMetrics) -> Non
     @app.get("/health")
     async def health() -> Response:
         if not state.engine.alive:
-            raise APIError(503, "the engine is not running", type="server_error", code="engine_dead")
+            raise APIError(503, DEAD_MESSAGE if state.engine.dead_reason is not None else "the engine is not running",
+                           type="server_error", code="engine_dead")
         if state.draining:
             raise APIError(503, "the server is shutting down", type="server_error", code="server_shutting_down")
         return JSONResponse({"status": "ok"})

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from itertools import count
 from typing import Any, Callable, Protocol
 
-from modserve.core.engine import LLMEngine
+from modserve.core.engine import EngineDeadError, LLMEngine
 from modserve.core.outputs import RequestOutput
 from modserve.core.registry import PluginError
 from modserve.core.sampling_params import SamplingParams
@@ -27,6 +27,11 @@ logger = logging.getLogger("modserve.server")
 
 # What the engine thread hands to a request: its latest cumulative output, or the error that ended it.
 Result = RequestOutput | BaseException
+# Seconds an idle engine thread waits for a command before it asks the engine whether its
+# tensor-parallel workers are still there (a worker that dies between requests is noticed).
+HEALTH_CHECK_INTERVAL = 1.0
+# What a client is told once the engine died (the reason, with ranks and pids, is logged).
+DEAD_MESSAGE = "the engine stopped: a tensor-parallel worker failed (the server logged why); restart the server"
 
 
 class EngineError(RuntimeError):
@@ -47,6 +52,11 @@ def engine_error(e: Exception, what: str) -> EngineError:
 
 class EngineDead(RuntimeError):
     """The engine thread is not running (stopped, or never started)."""
+
+
+class EngineStopped(EngineError):
+    """The engine cannot go on (a tensor-parallel worker is gone): every request in flight
+    ends with this, the engine thread stops, and the server reports itself unhealthy."""
 
 
 class ShuttingDown(EngineError):
@@ -95,9 +105,14 @@ class AsyncEngine:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self.last_stats: dict[str, Any] = {}
+        # Why the engine died (EngineDeadError's message), once the loop thread knows it.
+        self.dead_reason: str | None = None
+        self._pending_stats: set[asyncio.Future] = set()  # loop thread only
 
     # -- lifecycle ------------------------------------------------------------------
     def start(self) -> None:
+        if self.dead_reason is not None:
+            raise EngineDead(f"the engine stopped: {self.dead_reason}")
         self._loop = asyncio.get_running_loop()
         self._thread = threading.Thread(target=self._run, name="modserve-engine", daemon=True)
         self._thread.start()
@@ -113,7 +128,19 @@ class AsyncEngine:
 
     @property
     def alive(self) -> bool:
-        return self._thread is not None and self._thread.is_alive()
+        return self.dead_reason is None and self._thread is not None and self._thread.is_alive()
+
+    def shutdown_engine(self) -> None:
+        """Stop the engine's tensor-parallel workers, after ``stop()`` (the server's last act).
+
+        NOTE: an engine thread still stuck in a step (stop() timed out) may be inside a
+        collective: telling the workers to stop from here would interleave with it, so they
+        are killed instead (which ends the stuck step too)."""
+        if self._thread is not None and self._thread.is_alive():
+            logger.warning("the engine thread is still running a step: killing its workers")
+            self.engine.executor.shutdown()
+        else:
+            self.engine.shutdown()
 
     @property
     def num_waiting(self) -> int:
@@ -125,7 +152,7 @@ class AsyncEngine:
                arrival_time: float | None = None, priority: int = 0) -> "RequestStream":
         """One engine request per prompt, all answered through one stream."""
         if not self.alive:
-            raise EngineDead("the engine is not running")
+            raise EngineDead(DEAD_MESSAGE if self.dead_reason is not None else "the engine is not running")
         arrival = time.perf_counter() if arrival_time is None else arrival_time
         batch = next(self._ids)
         ids = [f"req-{batch}-{i}" for i in range(len(prompts))]
@@ -149,8 +176,12 @@ class AsyncEngine:
         if not self.alive:
             return self.last_stats
         future = asyncio.get_running_loop().create_future()
+        self._pending_stats.add(future)
         self._commands.put(_Stats(future))
-        self.last_stats = await future
+        try:
+            self.last_stats = await future
+        finally:
+            self._pending_stats.discard(future)
         return self.last_stats
 
     @property
@@ -186,29 +217,55 @@ class AsyncEngine:
                         self.observer.request_finished(result)
             stream.put(rid, result)
 
+    def _engine_died(self, reason: str) -> None:
+        """(loop thread) The engine thread ended on an EngineDeadError: no request is taken
+        any more, and whatever waits on the engine thread is answered now."""
+        self.dead_reason = reason
+        error = EngineStopped(f"the engine stopped: {reason}")
+        self._deliver([(rid, error) for rid in list(self._routes)])  # submitted after its last look
+        for future in self._pending_stats:
+            _resolve(future, self.last_stats)
+
     # -- engine thread ------------------------------------------------------------------------
     def _run(self) -> None:
         engine = self.engine
+        try:
+            self._loop_steps()
+        except EngineDeadError as e:  # a worker is gone: no step can run again
+            logger.error("engine dead: %s; failing the %d requests in flight and stopping", e,
+                         len(engine.requests))
+            self._fail_all(EngineStopped(f"the engine stopped: {e}"))
+            self._call_soon(self._engine_died, str(e))
+        for rid in list(engine.requests):  # stopped with requests in flight: free their blocks
+            engine.abort_request(rid)
+
+    def _loop_steps(self) -> None:
+        engine = self.engine
         while True:
             # Block only when there is nothing to step: a busy engine just drains what came in.
-            if not self._drain(block=not engine.has_unfinished_requests()):
-                break
+            idle = not engine.has_unfinished_requests()
+            if not self._drain(block=idle):
+                return
+            if idle and not engine.has_unfinished_requests():
+                engine.check_health()  # cheap; EngineDeadError when a worker died meanwhile
+                continue
             try:
                 outputs = engine.step()
+            except EngineDeadError:
+                raise
             except Exception as e:  # one bad step must not take the server down
                 logger.exception("engine step failed; failing the requests in flight")
                 self._fail_all(engine_error(e, "the engine failed"))
                 continue
             if outputs:
                 self._emit([(o.request_id, o) for o in outputs])
-        for rid in list(engine.requests):  # stopped with requests in flight: free their blocks
-            engine.abort_request(rid)
 
     def _drain(self, block: bool) -> bool:
-        """Apply queued commands; False once told to stop."""
+        """Apply queued commands; False once told to stop. Blocking, it waits at most
+        HEALTH_CHECK_INTERVAL for the first."""
         while True:
             try:
-                command = self._commands.get(block=block)
+                command = self._commands.get(block=block, timeout=HEALTH_CHECK_INTERVAL if block else None)
             except queue.Empty:
                 return True
             block = False

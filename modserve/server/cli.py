@@ -36,6 +36,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from modserve.cli import config_from_args
     from modserve.core.engine import LLMEngine
     from modserve.server.app import create_app
+    from modserve.server.replicas import build_engines
     from modserve.server.run import run
 
     if not args.config and args.cfg_model is None and args.model_tag is None:
@@ -43,8 +44,18 @@ def cmd_serve(args: argparse.Namespace) -> int:
     config = config_from_args(args)  # a config file's host, port and api_key land on args here
     host, port = args.host or DEFAULT_HOST, int(args.port or DEFAULT_PORT)
     api_key = args.api_key or os.environ.get("MODSERVE_API_KEY") or None
-    engine = LLMEngine(config, progress=False)
-    run(create_app(engine, api_key=api_key), host, port, args.log_level, api_key, config)
+    # data_parallel_size > 1: that many engines of this config (replicas.replica_config), one app
+    engines = build_engines(config, lambda replica: LLMEngine(replica, progress=False))
+    app = None
+    try:
+        app = create_app(engines, api_key=api_key)
+        run(app, host, port, args.log_level, api_key, config)
+    finally:  # drained and stopped, or failed to start: no tensor-parallel worker outlives the server
+        if app is not None:
+            app.state.server.engine.shutdown_engine()
+        else:
+            for engine in engines:
+                engine.shutdown()
     return 0
 
 

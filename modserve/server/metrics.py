@@ -47,7 +47,14 @@ _COUNTERS = (
 
 
 class EngineStatsCollector(Collector):
-    """Turns the latest engine.stats() snapshot into metric families at scrape time."""
+    """Turns the latest engine.stats() snapshot into metric families at scrape time.
+
+    With data parallelism (a ReplicaSet's stats: the replicas' sums, each one's under
+    ``replicas``, the router's under ``routing``) every metric above is the sum over the
+    replicas, under its usual name and without labels, and each also comes per replica as
+    ``modserve_replica_*{replica="i"}``: a name of its own, so that ``sum()`` over either
+    never counts a replica twice.
+    """
 
     def __init__(self) -> None:
         self.stats: dict[str, Any] = {}
@@ -56,10 +63,56 @@ class EngineStatsCollector(Collector):
         stats = self.stats
         for name, key, doc in _GAUGES:
             yield GaugeMetricFamily(name, doc, value=float(stats.get(key, 0)))
-        used = stats.get("kv_blocks_total", 0) - stats.get("kv_blocks_free", 0)
-        yield GaugeMetricFamily("modserve_kv_blocks_used", "KV cache blocks in use", value=float(used))
+        yield GaugeMetricFamily("modserve_kv_blocks_used", "KV cache blocks in use", value=float(_used(stats)))
         for name, key, doc in _COUNTERS:
             yield CounterMetricFamily(name, doc, value=float(stats.get(key, 0)))
+        replicas = stats.get("replicas")
+        if replicas:
+            yield from _per_replica(replicas, stats.get("routing") or {})
+
+
+def _used(stats: dict[str, Any]) -> float:
+    return stats.get("kv_blocks_total", 0) - stats.get("kv_blocks_free", 0)
+
+
+def _replica_name(name: str) -> str:
+    return "modserve_replica_" + name.removeprefix("modserve_")
+
+
+def _per_replica(replicas: list[dict[str, Any]], routing: dict[str, Any]) -> Iterator[Metric]:
+    labels = [str(i) for i in range(len(replicas))]
+    for name, key, doc in _GAUGES:
+        family = GaugeMetricFamily(_replica_name(name), doc + ", per data-parallel replica", labels=["replica"])
+        for label, stats in zip(labels, replicas):
+            family.add_metric([label], float(stats.get(key, 0)))
+        yield family
+    family = GaugeMetricFamily("modserve_replica_kv_blocks_used", "KV cache blocks in use, per data-parallel "
+                               "replica", labels=["replica"])
+    for label, stats in zip(labels, replicas):
+        family.add_metric([label], float(_used(stats)))
+    yield family
+    alive = GaugeMetricFamily("modserve_replica_alive", "1 while the replica's engine thread runs",
+                              labels=["replica"])
+    for label, stats in zip(labels, replicas):
+        alive.add_metric([label], float(stats.get("alive", 0)))
+    yield alive
+    for name, key, doc in _COUNTERS:
+        family = CounterMetricFamily(_replica_name(name), doc + ", per data-parallel replica", labels=["replica"])
+        for label, stats in zip(labels, replicas):
+            family.add_metric([label], float(stats.get(key, 0)))
+        yield family
+    routed = CounterMetricFamily("modserve_replica_routed_requests", "Prompts routed to the replica, by why: "
+                                 "prefix (it held the longest part of the prompt) or load (the least loaded)",
+                                 labels=["replica", "by"])
+    for label, counts in zip(labels, routing.get("routed", [])):
+        for by, value in sorted(counts.items()):
+            routed.add_metric([label, by], float(value))
+    yield routed
+    yield CounterMetricFamily("modserve_router_prompt_blocks", "Full KV blocks of the prompts routed",
+                              value=float(routing.get("prompt_blocks", 0)))
+    yield CounterMetricFamily("modserve_router_matched_blocks", "Of those, blocks the chosen replica was last "
+                              "sent (a prefix-cache hit the router expects)",
+                              value=float(routing.get("matched_blocks", 0)))
 
 
 class ServerMetrics:

@@ -15,9 +15,10 @@ from modserve.core.outputs import CompletionOutput, RequestOutput
 from modserve.core.sampling_params import SamplingParams
 from modserve.server.chat_tokenizer import ChatTokenizer
 from modserve.core.grammar import timeout_message
-from modserve.server.async_engine import (AsyncEngine, EngineDead, EngineError, PluginFailed, RequestStream,
-                                          ShuttingDown)
+from modserve.server.async_engine import (DEAD_MESSAGE, AsyncEngine, EngineDead, EngineError, EngineStopped,
+                                          PluginFailed, RequestStream, ShuttingDown)
 from modserve.server.errors import APIError, invalid
+from modserve.server.replicas import ReplicaSet, SplitStream
 from modserve.server.tokenizer_pool import TokenizerPool
 
 SSE_DONE = "data: [DONE]\n\n"
@@ -42,7 +43,7 @@ def new_id(prefix: str) -> str:
 class ServerState:
     """Everything a route needs; one per app, on ``app.state.server``."""
 
-    engine: AsyncEngine
+    engine: AsyncEngine | ReplicaSet  # a ReplicaSet: data-parallel replicas behind the same interface
     # NOTE: the server's own tokenizer, used on the event-loop thread only and for short
     # work (one token's text); prompts are tokenized on the pool's threads.
     tokenizer: ChatTokenizer
@@ -108,7 +109,7 @@ class ServerState:
                           f"{self.max_waiting_requests} can ever queue; send them in smaller batches")
 
     def submit(self, prompts: list[list[int]], params: SamplingParams, arrival: float,
-               priority: int = 0) -> RequestStream:
+               priority: int = 0) -> RequestStream | SplitStream:
         """Hand the prompts to the engine, or 503 when too many are already waiting."""
         self.check_batch(len(prompts))
         if self.draining:
@@ -146,7 +147,7 @@ class ServerState:
         return text
 
 
-async def final_outputs(stream: RequestStream, request: Request) -> list[RequestOutput]:
+async def final_outputs(stream: RequestStream | SplitStream, request: Request) -> list[RequestOutput]:
     """Run a non-streamed request to the end; a client that hangs up aborts it."""
     latest: dict[str, RequestOutput] = {}
     try:
@@ -166,6 +167,9 @@ def engine_api_error(e: EngineError) -> APIError:
     logged), but a plugin's error as it is: it names the plugin the operator must look at."""
     if isinstance(e, PluginFailed):
         return APIError(500, str(e), type="server_error", code="plugin_error")
+    if isinstance(e, EngineStopped):
+        return APIError(503, f"This request did not finish: {DEAD_MESSAGE}. Retry it on another replica.",
+                        type="server_error", code="engine_dead")
     if isinstance(e, ShuttingDown):
         return APIError(503, "The server is shutting down and this request did not finish within "
                         "shutdown_timeout. Retry it on another replica.", type="server_error",
@@ -223,7 +227,7 @@ class StreamTally:
     cursors: dict[tuple[int, int], Cursor] = field(default_factory=dict)
     completion_tokens: dict[tuple[int, int], int] = field(default_factory=dict)
 
-    def pieces(self, stream: RequestStream, out: RequestOutput) -> Iterator[tuple[int, Piece]]:
+    def pieces(self, stream: RequestStream | SplitStream, out: RequestOutput) -> Iterator[tuple[int, Piece]]:
         """(choice index, piece) for every choice of ``out`` with something new to send."""
         prompt_index = stream.index(out.request_id)
         for c in out.outputs:

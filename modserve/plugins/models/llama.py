@@ -88,17 +88,27 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 class Attention(nn.Module):
+    """Under tensor parallelism (``make_linear.tp``) each rank holds its share of the query
+    heads and of the KV heads (a whole KV head on each of several ranks when the ranks
+    outnumber them, as vLLM does): column-parallel qkv, row-parallel o_proj."""
+
     def __init__(self, config: Any, make_linear: LinearFactory) -> None:
         super().__init__()
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
-        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
+        heads = config.num_attention_heads
+        kv_heads = getattr(config, "num_key_value_heads", None) or heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+        tp = make_linear.tp
+        kv_replicas = max(1, tp.size // kv_heads)
+        self.num_heads = tp.part(heads)[1]  # this rank's
+        self.num_kv_heads = tp.part(kv_heads, kv_replicas)[1]
         bias = bool(getattr(config, "attention_bias", False)) or config.model_type == "qwen2"
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.qkv_proj = make_linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=bias,
-                                    shard_sizes=(self.q_size, self.kv_size, self.kv_size))
-        self.o_proj = make_linear(self.q_size, config.hidden_size, bias=bool(getattr(config, "attention_bias", False)))
+        q, kv = heads * self.head_dim, kv_heads * self.head_dim  # the checkpoint's
+        self.qkv_proj = make_linear(config.hidden_size, q + 2 * kv, bias=bias, shard_sizes=(q, kv, kv),
+                                    parallel="column", shard_replicas=(1, kv_replicas, kv_replicas))
+        self.o_proj = make_linear(q, config.hidden_size, bias=bool(getattr(config, "attention_bias", False)),
+                                  parallel="row")
 
     def project(self, x: torch.Tensor, positions: torch.Tensor,
                 rope: RotaryEmbedding) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -115,10 +125,10 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, config: Any, make_linear: LinearFactory) -> None:
         super().__init__()
-        self.intermediate = config.intermediate_size
-        self.gate_up_proj = make_linear(config.hidden_size, 2 * self.intermediate,
-                                        shard_sizes=(self.intermediate, self.intermediate))
-        self.down_proj = make_linear(self.intermediate, config.hidden_size)
+        full = config.intermediate_size
+        self.intermediate = make_linear.tp.part(full)[1]  # this rank's
+        self.gate_up_proj = make_linear(config.hidden_size, 2 * full, shard_sizes=(full, full), parallel="column")
+        self.down_proj = make_linear(full, config.hidden_size, parallel="row")
         if getattr(config, "hidden_act", "silu") != "silu":
             raise ValueError(f"hidden_act {config.hidden_act!r} is not supported (supported: silu)")
 
@@ -155,26 +165,33 @@ class LlamaForCausalLM(CausalLM):
         super().__init__()
         make_linear = make_linear or linear_factory(None, torch.get_default_dtype(), torch.device("cpu"))
         self.config = config
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = make_linear.embedding(config.vocab_size, config.hidden_size)
         self.backend = backend
-        self.layers = nn.ModuleList(DecoderLayer(config, i, make_linear) for i in range(config.num_hidden_layers))
+        # A pipeline stage builds its layers only; the others stay empty placeholders.
+        num_layers = config.num_hidden_layers
+        self.stage = make_linear.layers or range(num_layers)
+        self.last_stage = self.stage.stop == num_layers
+        self.layers = nn.ModuleList(DecoderLayer(config, i, make_linear) if i in self.stage else nn.Identity()
+                                    for i in range(num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.tie = bool(getattr(config, "tie_word_embeddings", False))
         self.lm_head = make_linear.lm_head(config.hidden_size, config.vocab_size)
         self.tie_weights()
-        attn = self.layers[0].self_attn
+        attn = self.layers[self.stage.start].self_attn
         self.rope = RotaryEmbedding(config, attn.head_dim, max_positions)
 
-    def forward(self, input_ids, positions, kv_caches, meta, attn_state) -> torch.Tensor:
+    def forward(self, input_ids, positions, kv_caches, meta, attn_state, hidden_states=None) -> torch.Tensor:
         with forward_context(self.backend, kv_caches, meta, attn_state):
-            return self.run_layers(input_ids, positions)
+            return self.run_layers(input_ids, positions, hidden_states)
 
-    def run_layers(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """Tensors in, hidden states ``[T, hidden]`` out."""
-        x = self.embed_tokens(input_ids)  # [T, hidden]
-        for layer in self.layers:
-            x = layer(x, positions, self.rope)
-        return self.norm(x)
+    def run_layers(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                   hidden_states: torch.Tensor | None = None) -> torch.Tensor:
+        """Tensors in, hidden states ``[T, hidden]`` out (a pipeline stage: the previous
+        stage's in, the residual stream out, normed by the last stage only)."""
+        x = self.embed_tokens(input_ids) if hidden_states is None else hidden_states  # [T, hidden]
+        for i in self.stage:
+            x = self.layers[i](x, positions, self.rope)
+        return self.norm(x) if self.last_stage else x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()  # [N, vocab]
@@ -189,8 +206,8 @@ class LlamaForCausalLM(CausalLM):
         serves all layers, their weights its inputs: a whole-model graph ran no faster
         and took twice as long to trace at every start (~20 s against ~8 s for this one)."""
         layer_forward = compiler(DecoderLayer.forward)
-        for layer in self.layers:
-            layer.forward = functools.partial(layer_forward, layer)
+        for i in self.stage:
+            self.layers[i].forward = functools.partial(layer_forward, self.layers[i])
         self.compute_logits = functools.partial(compiler(type(self).compute_logits), self)
         self.rope.build(self.embed_tokens.weight.device)  # no lazy branch inside the graph
         return True
@@ -201,10 +218,12 @@ class LlamaForCausalLM(CausalLM):
         self.tie_weights()
         linears = {name: m for name, m in self.named_modules() if isinstance(m, Linear)}
         params = {name: p for name, p in self.named_parameters() if name.rpartition(".")[0] not in linears}
+        # The embedding and the LM head take their rank's rows of the vocabulary themselves.
+        vocab = {"embed_tokens.weight": self.embed_tokens, "lm_head.weight": self.lm_head}
         loaded: set[str] = set()
         for name, tensor in weights:
             name = name.removeprefix("model.")
-            if "rotary_emb" in name or (self.tie and name.startswith("lm_head.")):
+            if "rotary_emb" in name or (self.tie and name.startswith("lm_head.")) or not self._in_stage(name):
                 continue
             module, _, leaf = name.rpartition(".")
             parent, _, child = module.rpartition(".")
@@ -216,11 +235,21 @@ class LlamaForCausalLM(CausalLM):
             param = params.get(name)
             if param is None:
                 raise ValueError(f"checkpoint tensor {name!r} has no place in {type(self).__name__}")
-            _copy(param, tensor, name)
+            if name in vocab:
+                vocab[name].load(name, tensor)
+            else:
+                _copy(param, tensor, name)
             loaded.add(name)
         missing = set(params) - loaded
         if missing:
             raise ValueError(f"checkpoint is missing tensors for: {sorted(missing)[:8]}")
+
+
+    def _in_stage(self, name: str) -> bool:
+        """False for a tensor of a decoder layer another pipeline stage holds."""
+        if not name.startswith("layers."):
+            return True
+        return int(name.split(".", 2)[1]) in self.stage
 
 
 def _copy(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:

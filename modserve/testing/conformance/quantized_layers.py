@@ -5,6 +5,10 @@ A quantizer that quantizes a float checkpoint at load gets float weights. One th
 pre-quantized checkpoints gets them in the format its ``checkpoint_methods`` name, if the kit
 knows how to write it (AWQ GEMM and GPTQ, packed by :mod:`modserve.testing`, which is written
 independently of any quantizer); with them comes the reference dequantization.
+
+Under tensor parallelism (:data:`TP_LAYERS`), the same checkpoint tensors load into a whole
+layer and into each rank's shard of it, the core slicing them as the quantizer's
+``tensor_layout`` says.
 """
 
 from __future__ import annotations
@@ -14,7 +18,7 @@ from typing import Any, Callable
 
 import torch
 
-from modserve.api import Linear, LinearSpec, Quantizer
+from modserve.api import Linear, LinearFactory, LinearSpec, Quantizer, TensorParallel
 from modserve.testing import AWQ_PACK_ORDER, awq_quantize, gptq_quantize, pack_int32
 
 IN_FEATURES, GROUP = 64, 32
@@ -105,3 +109,53 @@ def kept_bytes(layer: Linear) -> int:
     """Bytes of every tensor the layer keeps besides its bias (the core's)."""
     tensors = [t for name, t in (*layer.named_parameters(), *layer.named_buffers()) if name != "bias"]
     return sum(t.numel() * t.element_size() for t in tensors)
+
+
+# -- tensor parallelism: a layer's shards on the ranks of two ----------------------------------
+TP = 2
+# The tiny Llama's projections, MQA (1 KV head of 16, replicated on both ranks): name ->
+# (in, output shard sizes, parallel, shard replicas at TP=2).
+TP_LAYERS: dict[str, tuple[int, tuple[int, ...], str, tuple[int, ...] | None]] = {
+    "qkv_proj": (64, (64, 16, 16), "column", (1, 2, 2)),
+    "gate_up_proj": (64, (128, 128), "column", (1, 1)),
+    "o_proj": (64, (64,), "row", None),
+    "down_proj": (128, (64,), "row", None),
+}
+
+
+def rank_rows(shard_sizes: tuple[int, ...], replicas: tuple[int, ...] | None, tp: TensorParallel) -> torch.Tensor:
+    """The whole layer's output rows that rank ``tp.rank`` of a column-parallel layer holds, in its order."""
+    rows, offset = [], 0
+    for size, r in zip(shard_sizes, replicas or (1,) * len(shard_sizes)):
+        start, n = tp.part(size, r)
+        rows.append(torch.arange(offset + start, offset + start + n))
+        offset += size
+    return torch.cat(rows)
+
+
+def parallel_linear(quantizer: Quantizer, layer: str, tp: TensorParallel,
+                    shards: list[dict[str, torch.Tensor]], dtype: torch.dtype = torch.float32) -> Linear:
+    """``layer`` of :data:`TP_LAYERS` as rank ``tp.rank`` of ``tp.size`` builds it (``TensorParallel(rank,
+    size)`` without a group: only the core's slicing, by ``tensor_layout``, runs), loaded from the
+    whole checkpoint tensors of each shard and processed; ``TensorParallel()``: the whole layer."""
+    k, sizes, parallel, replicas = TP_LAYERS[layer]
+    make = LinearFactory(quantizer, dtype, CPU, tp=tp)
+    linear = make(k, sum(sizes), shard_sizes=sizes, parallel=parallel, shard_replicas=replicas)
+    for i, tensors in enumerate(shards):
+        for name, tensor in tensors.items():
+            linear.load(name, tensor, i)
+    if missing := linear.missing():
+        raise LookupError(f"its layers read {', '.join(missing)}, which the kit's checkpoint does not hold")
+    quantizer.process_weights(linear)
+    return linear
+
+
+def float_linear(quantizer: Quantizer, weights: list[torch.Tensor], dtype: torch.dtype = torch.float32) -> Linear:
+    """An unsharded layer of these float shard weights (``[rows, in]`` each), loaded and processed:
+    what the quantizer makes of exactly that float weight."""
+    sizes = tuple(w.shape[0] for w in weights)
+    linear = Linear(LinearSpec(weights[0].shape[1], sum(sizes), sizes, False, dtype, CPU), quantizer)
+    for i, w in enumerate(weights):
+        linear.load("weight", w.to(dtype), i)
+    quantizer.process_weights(linear)
+    return linear

@@ -25,6 +25,7 @@ KIT_MODULES: dict[str, str] = {
     "grammar_backend": "test_grammar_backend",
     "quantizer": "test_quantizer",
     "proposer": "test_proposer",
+    "executor": "test_executor",
 }
 
 
@@ -49,6 +50,8 @@ class Implementation:
     name: str
     registration: Registration = field(compare=False, repr=False)
     options: dict[str, Any] | None = field(default=None, compare=False)  # None: defaults
+    registry: Registry | None = field(default=None, compare=False, repr=False)  # where it was found
+
 
     def __str__(self) -> str:
         return f"{self.kind}:{self.name}"
@@ -65,14 +68,18 @@ class Implementation:
             return builtin()
         return {}
 
-    def create(self, *args: Any, **kwargs: Any) -> Any:
-        """``cls(*args, options=<validated options>, **kwargs)``, as the core builds it. Options
-        that do not validate (a required one missing) skip the test, saying how to pass them."""
+    def validated_options(self) -> Any:
+        """The options validated as the core validates them. Options that do not validate (a
+        required one missing) skip the test, saying how to pass them."""
         try:
-            options = self.registration.validate_options(self.option_values())
+            return self.registration.validate_options(self.option_values())
         except ValueError as e:
             pytest.skip(f"{self} cannot be built without options ({e}); pass them with "
                         f"--modserve-conformance-options '{self}={{...}}' (JSON)")
+
+    def create(self, *args: Any, **kwargs: Any) -> Any:
+        """``cls(*args, options=<validated options>, **kwargs)``, as the core builds it."""
+        options = self.validated_options()
         return self.load()(*args, options=options, **kwargs)
 
 
@@ -137,7 +144,8 @@ class Selection:
         if self.named is not None and kind not in self.named:
             return None
         names = self.named[kind] if self.named is not None else self.registry.names(kind)
-        return [Implementation(kind, n, self.registry.get(kind, n), self.options.get((kind, n))) for n in names]
+        return [Implementation(kind, n, self.registry.get(kind, n), self.options.get((kind, n)), self.registry)
+                for n in names]
 
 
 def selection(targets: list[str], options: list[str]) -> Selection:

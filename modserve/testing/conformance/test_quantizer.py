@@ -2,7 +2,8 @@
 checkpoint's, in the bytes it plans; fused shards load in any order.
 
 Layers of 64 inputs, built through :class:`~modserve.api.Linear` as a model builds them
-(:mod:`.quantized_layers`), on the CPU.
+(:mod:`.quantized_layers`), on the CPU; and the tiny Llama's projections as the two ranks of
+tensor parallelism build them, each shard standing for its slice of the whole layer.
 """
 
 from __future__ import annotations
@@ -12,8 +13,11 @@ import itertools
 import pytest
 import torch
 
-from modserve.api import Quantizer
-from modserve.testing.conformance.quantized_layers import FORMATS, FUSED, Layer, build, checkpoint_format, kept_bytes
+from modserve.api import Quantizer, TensorParallel
+from modserve.testing.conformance.quantized_layers import (
+    FORMATS, FUSED, TP, TP_LAYERS, Layer, build, checkpoint_format, float_linear, kept_bytes, parallel_linear,
+    rank_rows, shard,
+)
 from modserve.testing.conformance.targets import Implementation
 
 CONFORMANCE_KIND = "quantizer"
@@ -118,3 +122,62 @@ def test_an_unknown_tensor_name_is_an_error_naming_it(implementation: Implementa
         return
     pytest.fail("load_weight took a checkpoint tensor named 'unknown_tensor' without an error: a name the "
                 "quantizer does not read must be an error naming it (else a mis-quantized checkpoint loads silently)")
+
+
+@pytest.mark.parametrize("layer", list(TP_LAYERS))
+def test_tensor_parallel_shards_are_slices_of_the_whole_layer(implementation: Implementation, layer: str) -> None:
+    """Each rank of two (``TensorParallel(rank, 2)``, no process group: only the core's slicing by
+    ``tensor_layout(name, spec)`` runs) loads the same checkpoint tensors as the whole layer. A
+    pre-quantized checkpoint's shard dequantizes exactly to its part of the whole layer's weight:
+    a column shard (qkv_proj, its KV shard replicated; gate_up_proj) to its rows, a row shard
+    (o_proj, down_proj) to its columns. A float checkpoint's shard is what the quantizer makes of
+    that slice of the float weight on its own (a quantize-at-load quantizer computes a row
+    shard's scales from its own columns). Either way ``weight_bytes(spec)`` is what the shard
+    keeps and ``apply`` agrees with its ``dequantize``."""
+    quantizer, fmt = make(implementation)
+    k, sizes, parallel, replicas = TP_LAYERS[layer]
+    gen = torch.Generator().manual_seed(3)
+    weights = [torch.randn(n, k, generator=gen) * 0.1 for n in sizes]  # [rows, in] per checkpoint shard
+    shards = [shard(fmt, w, torch.float32).tensors for w in weights]
+    try:
+        whole = parallel_linear(quantizer, layer, TensorParallel(), shards)
+    except LookupError as e:
+        pytest.skip(f"{implementation}: {e}")
+    w = quantizer.dequantize(whole)  # [out, in]
+    for rank in range(TP):
+        where = f"{layer} ({parallel}-parallel), rank {rank} of {TP}"
+        try:
+            part, problem = parallel_linear(quantizer, layer, TensorParallel(rank, TP), shards), None
+        except Exception as e:  # noqa: BLE001 - any error: the shard cannot load its slices
+            problem = f"{type(e).__name__}: {str(e).rstrip('.')}"
+        if problem is not None:
+            pytest.fail(f"{where}: loading its slices of the checkpoint tensors failed: {problem}. The core narrows "
+                        f"each tensor where tensor_layout(name, spec) puts its output and input channels (dimension, "
+                        f"channels per element); what it hands load_weight must then fit what create_weights(spec) "
+                        f"registered for this rank's spec")
+        spec = part.spec
+        got = quantizer.dequantize(part)
+        if parallel == "column":
+            if fmt is None:
+                alone = [w_i[start : start + n] for w_i, start, n in zip(weights, spec.shard_starts, spec.shard_sizes)]
+                want, what = quantizer.dequantize(float_linear(quantizer, alone)), "its own layer of its float rows"
+            else:
+                rows = rank_rows(sizes, replicas, TensorParallel(rank, TP))
+                want, what = w[rows], f"rows {rows.tolist()[:3]}... of the whole layer's weight"
+        else:
+            cols = slice(spec.in_start, spec.in_start + spec.in_features)
+            if fmt is None:
+                want = quantizer.dequantize(float_linear(quantizer, [weights[0][:, cols]]))
+                what = f"its own layer of columns {cols.start}:{cols.stop} of the float weight"
+            else:
+                want, what = w[:, cols], f"columns {cols.start}:{cols.stop} of the whole layer's weight"
+        assert tuple(got.shape) == tuple(want.shape), (
+            f"{where}: dequantize is {tuple(got.shape)}, its shard is [out, in] = {tuple(want.shape)}")
+        assert torch.equal(got, want), (
+            f"{where}: dequantize differs from {what} (max {float((got - want).abs().max()):.3g}): the shard must "
+            f"stand for its slice of the checkpoint (tensor_layout must say where each tensor's channels are)")
+        planned, kept = quantizer.weight_bytes(spec), kept_bytes(part)
+        assert planned == kept, f"{where}: weight_bytes(spec) = {planned}, but the shard keeps {kept} bytes"
+        x = torch.randn(5, spec.in_features, generator=gen)  # [T, this rank's inputs]
+        error = float((quantizer.apply(part, x).double() - x.double() @ got.double().T).abs().max())
+        assert error <= ATOL[torch.float32], f"{where}: apply differs from x @ dequantize(shard).T by {error:.3g}"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import weakref
 from itertools import count
 from pathlib import Path
 from typing import Any, Sequence as Seq
@@ -20,7 +21,11 @@ Messages = list[dict[str, Any]]
 
 class LLM:
     """An engine for offline batches. ``LLM(model=path, **overrides)`` takes any
-    :class:`EngineConfig` field as a keyword; ``LLM.from_config(file, **overrides)``."""
+    :class:`EngineConfig` field as a keyword; ``LLM.from_config(file, **overrides)``.
+
+    With ``tensor_parallel_size > 1`` the engine has worker processes: ``shutdown()`` (or a
+    ``with LLM(...) as llm:`` block) stops them; an LLM dropped, or still alive when the
+    interpreter exits, stops them then."""
 
     def __init__(self, model: str | None = None, *, config: EngineConfig | None = None,
                  registry: Registry | None = None, progress: bool = True, **overrides: Any) -> None:
@@ -29,7 +34,12 @@ class LLM:
             data["model"] = model
         config = EngineConfig.from_dict(data, **overrides)
         self.config = config
+        if config.data_parallel_size > 1:
+            raise ValueError("data_parallel_size: replicas are the server's (modserve serve --data-parallel-size); "
+                             "an LLM runs one engine")
         self.engine = LLMEngine(config, registry=registry, progress=progress)
+        # NOTE: holds the engine, never self: run when this LLM is collected or at exit.
+        self._finalizer = weakref.finalize(self, self.engine.shutdown)
         if config.chat_template:  # for chat(), as the server's tokenizers take it
             self.engine.tokenizer.hf.chat_template = config.chat_template_text()
         self._ids = count()
@@ -40,6 +50,20 @@ class LLM:
         progress = overrides.pop("progress", True)
         config = EngineConfig.from_dict(load_config_file(path), **overrides)
         return cls(config=config, registry=registry, progress=progress)
+
+    def shutdown(self) -> None:
+        """Stop the engine's tensor-parallel workers (idempotent); this LLM generates no more."""
+        self._finalizer()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+    def _check_running(self) -> None:
+        if not self._finalizer.alive:
+            raise RuntimeError("this LLM was shut down")
 
     def get_tokenizer(self):
         return self.engine.tokenizer
@@ -58,6 +82,7 @@ class LLM:
     ) -> list[RequestOutput]:
         """Run every prompt to completion; outputs come back in input order.
         ``priority`` (one per prompt, lower first) matters under the priority scheduler."""
+        self._check_running()
         prompts = _as_prompt_list(prompts)
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             params = [sampling_params or SamplingParams()] * len(prompts)

@@ -1,0 +1,77 @@
+"""Tensor-parallel ranks: rank 0 in the engine's process, the others started by an executor
+(each runs :func:`modserve.api.run_worker`).
+
+Every rank holds its shard of the model and of the KV cache. Rank 0 alone schedules and
+samples; each runner call the others must make too (``@on_every_rank`` in the runner) it
+first broadcasts as ``(method, args)`` on the ranks' gloo group: one message per step.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import time
+
+import torch
+import torch.distributed as dist
+
+from modserve.core.config import EngineConfig
+from modserve.core.interfaces import Executor, Platform, WorkerSpec
+from modserve.core.parallel import PipelineStage, TensorParallel, init_parallel
+from modserve.core.registry import Registry
+
+logger = logging.getLogger("modserve")
+
+STOP = "stop"  # the call that ends a worker's loop
+ENV_PREFIXES = ("MODSERVE_", "OMP_", "MKL_", "TORCHINDUCTOR_", "CUDA_VISIBLE_DEVICES")
+
+
+def start_ranks(config: EngineConfig, registry: Registry,
+                platform: Platform) -> tuple[Executor, TensorParallel, PipelineStage]:
+    """Start ranks 1..N-1 through the configured executor and join rank 0 to their group."""
+    world = config.world_size
+    executor: Executor = registry.create("executor", config.executor_choice())
+    if world == 1:
+        return executor, TensorParallel(), PipelineStage()
+    host = executor.rendezvous_host()
+    init_method = f"tcp://{host}:{_free_port(host)}"
+    env = {k: v for k, v in os.environ.items() if k.startswith(ENV_PREFIXES)}
+    specs = [WorkerSpec(config.model_dump(), rank, world, init_method, platform.distributed_backend,
+                        registry.sources(), env) for rank in range(1, world)]
+    logger.info("tensor parallel: %d ranks (%s executor, %s), rendezvous at %s", world,
+                config.executor_choice().name, platform.distributed_backend, init_method)
+    start = time.monotonic()
+    try:
+        executor.start(specs)
+        tp, pp = init_parallel(platform.distributed_backend, init_method, 0, config.tensor_parallel_size,
+                               config.pipeline_parallel_size, executor.failed)
+    except Exception:
+        executor.shutdown()
+        raise
+    logger.info("tensor parallel: %d ranks joined in %.1f s", world, time.monotonic() - start)
+    return executor, tp, pp
+
+
+def stop_ranks(executor: Executor, tp: TensorParallel, world_size: int, tell: bool = True) -> None:
+    """Tell the workers to stop (unless ``tell`` is False: they are inside a call rank 0 left),
+    leave the group, and let the executor reap their processes."""
+    told = False
+    if world_size > 1 and tell and executor.failed() is None:
+        try:
+            tp.broadcast((STOP, ()))
+            told = True
+        except Exception as e:  # a worker already gone: the executor reaps the rest
+            logger.warning("tensor parallel: could not tell every worker to stop: %s", e)
+    if told:
+        executor.shutdown()  # NOTE: before rank 0's group (and its rendezvous store) goes: they leave it first
+    if world_size > 1 and dist.is_initialized():
+        dist.destroy_process_group()  # untold workers, waiting on rank 0's sockets, end now
+    if not told:
+        executor.shutdown()
+
+
+def _free_port(host: str) -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]

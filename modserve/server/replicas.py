@@ -1,0 +1,402 @@
+"""Data parallelism: N engine replicas behind one server, each request routed to one of them.
+
+:class:`ReplicaSet` has the interface the server uses on an :class:`AsyncEngine` (start,
+stop, alive, num_waiting, num_in_flight, submit, abort, stats, cancel_all, and ``engine``
+for the checks that read only immutable settings), over N AsyncEngines, each stepping its
+own :class:`LLMEngine` (which may itself be tensor-parallel) in its own thread.
+
+Routing (:class:`Router`, on the event loop): a prompt's full KV blocks are chained into
+hashes as the paged allocator chains its prefix-cache keys (a block's hash covers every
+token before it), and every replica keeps an LRU set of the hashes of the prompts sent
+to it, about as many as it has KV blocks. With ``prefix`` routing a prompt goes to the
+replica holding the longest run of its leading hashes, when that is one block or more and
+that replica is not a full batch (``max_num_seqs``) busier than the idlest one; otherwise,
+and always with ``load`` routing, to the replica with the fewest requests in flight
+(ties: the lowest index). Each prompt of a request is routed alone: one request's
+prompts may run on several replicas, and their outputs come back through one stream.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+from array import array
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from itertools import count
+from typing import Any, Callable, Literal, Mapping, Sequence
+
+from modserve.core.config import EngineConfig
+from modserve.core.engine import LLMEngine
+from modserve.core.outputs import RequestOutput
+from modserve.core.sampling_params import SamplingParams
+from modserve.server.async_engine import AsyncEngine, EngineDead, EngineError, RequestObserver, RequestStream
+
+logger = logging.getLogger("modserve.server")
+
+Routing = Literal["load", "prefix"]
+ROUTINGS: tuple[str, ...] = ("load", "prefix")
+
+
+# -- building the replicas ------------------------------------------------------------------------
+def replica_config(config: EngineConfig, index: int) -> EngineConfig:
+    """Replica ``index``'s config: ``config`` with its own sampling seed (seed + index: unseeded
+    requests on two replicas must not draw the same numbers), its own device when ``device``
+    is a bare ``cuda`` (replica i on ``cuda:i``), and on one shared memory (CPU, or a device
+    with an index, which every replica then shares) 1/N of ``kv_cache_memory_fraction``.
+    ``kv_cache_memory_gb`` and ``num_kv_blocks`` are each engine's own already: kept."""
+    n = config.data_parallel_size
+    replica = config.model_copy(deep=True)
+    replica.seed = config.seed + index
+    if spreads_over_devices(config):
+        if config.tensor_parallel_size > 1:
+            raise ValueError("data_parallel_size > 1 with tensor_parallel_size > 1 on device cuda needs each "
+                             "replica's ranks on devices of their own, which the tensor-parallel workers cannot "
+                             "place yet; give device cuda:K to put every replica on device K")
+        replica.device = f"cuda:{index}"
+    elif not (config.num_kv_blocks or config.kv_cache_memory_gb):
+        replica.kv_cache_memory_fraction = config.kv_cache_memory_fraction / n
+    return replica
+
+
+def spreads_over_devices(config: EngineConfig) -> bool:
+    """A bare ``cuda`` device: each replica gets a device of its own (one memory each)."""
+    return config.device == "cuda"
+
+
+def build_engines(config: EngineConfig, make: Callable[[EngineConfig], LLMEngine]) -> list[LLMEngine]:
+    """``config.data_parallel_size`` engines, one after the other (each sizes its KV cache on
+    what the ones before left free); if one fails, those already built are shut down."""
+    n = config.data_parallel_size
+    if n == 1:
+        return [make(config)]
+    if spreads_over_devices(config):
+        import torch
+
+        have = torch.cuda.device_count()
+        if have < n:
+            raise ValueError(f"data_parallel_size={n} on device cuda needs {n} devices, this machine has {have}; "
+                             "give device cuda:0 to put every replica on one device")
+    engines: list[LLMEngine] = []
+    try:
+        for i in range(n):
+            logger.info("data parallel: building replica %d of %d", i + 1, n)
+            engines.append(make(replica_config(config, i)))
+    except BaseException:
+        for engine in engines:
+            shutdown = getattr(engine, "shutdown", None)
+            if shutdown is not None:
+                shutdown()
+        raise
+    return engines
+
+
+# -- routing ------------------------------------------------------------------------------------------
+def block_hashes(token_ids: Sequence[int], block_size: int) -> list[bytes]:
+    """One hash per full block of ``token_ids``, each over its parent's hash and its own tokens:
+    equal hashes at position i mean equal prompts up to the end of block i."""
+    hashes: list[bytes] = []
+    parent = b""
+    for start in range(0, len(token_ids) - block_size + 1, block_size):
+        h = hashlib.blake2b(parent, digest_size=16)
+        h.update(array("q", token_ids[start:start + block_size]).tobytes())
+        parent = h.digest()
+        hashes.append(parent)
+    return hashes
+
+
+class PrefixIndex:
+    """The block hashes of the prompts routed to one replica: an LRU set of at most ``capacity``."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = max(1, capacity)
+        self.hashes: OrderedDict[bytes, None] = OrderedDict()
+
+    def __contains__(self, h: bytes) -> bool:
+        return h in self.hashes
+
+    def __len__(self) -> int:
+        return len(self.hashes)
+
+    def add(self, hashes: Sequence[bytes]) -> None:
+        """Record ``hashes`` as the most recent (in order: a prefix's first block is evicted first)."""
+        table = self.hashes
+        for h in hashes:
+            if h in table:
+                table.move_to_end(h)
+            else:
+                table[h] = None
+        while len(table) > self.capacity:
+            table.popitem(last=False)
+
+
+@dataclass(frozen=True, slots=True)
+class Route:
+    replica: int
+    by: Literal["prefix", "load"]
+    matched_blocks: int  # leading blocks of the prompt the replica's index held
+
+
+@dataclass
+class Router:
+    """Picks a replica for each prompt; loop thread only.
+
+    ``capacities``: each replica's index size, about its KV block count. ``balance_slack``:
+    a prefix match is given up for the least loaded replica once its replica has this many
+    more requests in flight than that one (its queue would cost more than the prefill saved).
+    """
+
+    block_size: int
+    capacities: Sequence[int]
+    routing: Routing = "prefix"
+    balance_slack: int = 128
+    indexes: list[PrefixIndex] = field(init=False)
+    routed: list[dict[str, int]] = field(init=False)  # per replica: prompts routed by prefix, by load
+    prompt_blocks: int = 0  # full blocks of every prompt routed
+    matched_blocks: int = 0  # of those, held by the index of the replica chosen
+
+    def __post_init__(self) -> None:
+        if self.routing not in ROUTINGS:
+            raise ValueError(f"data_parallel_routing must be one of {', '.join(ROUTINGS)}, not {self.routing!r}")
+        self.indexes = [PrefixIndex(c) for c in self.capacities]
+        self.routed = [{"prefix": 0, "load": 0} for _ in self.capacities]
+
+    def choose(self, token_ids: Sequence[int], loads: Mapping[int, int]) -> Route:
+        """The replica for a prompt, among ``loads``' keys (the live replicas: their requests in
+        flight); the prompt's blocks are then recorded in that replica's index."""
+        hashes = block_hashes(token_ids, self.block_size)
+        least = min(loads, key=lambda i: (loads[i], i))
+        route = Route(least, "load", self._matched(least, hashes))
+        if self.routing == "prefix" and hashes:
+            best, matched = self._longest_match(hashes, loads)
+            if matched and loads[best] - loads[least] < self.balance_slack:
+                route = Route(best, "prefix", matched)
+        self.indexes[route.replica].add(hashes)
+        self.routed[route.replica][route.by] += 1
+        self.prompt_blocks += len(hashes)
+        self.matched_blocks += route.matched_blocks
+        return route
+
+    def _longest_match(self, hashes: list[bytes], loads: Mapping[int, int]) -> tuple[int, int]:
+        """(replica, leading blocks matched): the longest run; among equals the least loaded, then
+        the lowest index. One pass down the chain, dropping replicas as their run ends."""
+        candidates = sorted(loads, key=lambda i: (loads[i], i))
+        matched = 0
+        for h in hashes:
+            still = [i for i in candidates if h in self.indexes[i]]
+            if not still:
+                break
+            candidates, matched = still, matched + 1
+        return candidates[0], matched
+
+    def _matched(self, replica: int, hashes: list[bytes]) -> int:
+        index = self.indexes[replica]
+        n = 0
+        for h in hashes:
+            if h not in index:
+                break
+            n += 1
+        return n
+
+    def stats(self) -> dict[str, Any]:
+        return {"prompt_blocks": self.prompt_blocks, "matched_blocks": self.matched_blocks,
+                "routed": [dict(r) for r in self.routed], "index_blocks": [len(ix) for ix in self.indexes]}
+
+
+# -- the replica set -------------------------------------------------------------------------------
+class _Replica(AsyncEngine):
+    """An AsyncEngine whose request ids name its replica (``req-r1-7-0``), so ids are unique
+    across the set and an abort by id reaches only the replica holding the request."""
+
+    def __init__(self, engine: LLMEngine, observer: RequestObserver | None, index: int) -> None:
+        super().__init__(engine, observer=observer)
+        self.index = index
+        self._ids = (f"r{index}-{n}" for n in count())  # type: ignore[assignment]
+
+
+class ReplicaSet:
+    """N AsyncEngines behind the interface of one (see the module's docstring)."""
+
+    def __init__(self, engines: Sequence[LLMEngine], observer: RequestObserver | None = None,
+                 routing: Routing | None = None, balance_slack: int | None = None) -> None:
+        if not engines:
+            raise ValueError("a ReplicaSet needs at least one engine")
+        config = engines[0].config
+        self.replicas = [_Replica(e, observer, i) for i, e in enumerate(engines)]
+        # The allocators are read here, before any engine thread runs.
+        self.router = Router(config.block_size, [e.allocator.num_blocks for e in engines],
+                             routing or config.data_parallel_routing,
+                             balance_slack if balance_slack is not None else config.max_num_seqs)
+
+    @property
+    def engine(self) -> LLMEngine:
+        """Replica 0's engine, for what reads only settings every replica shares (validation,
+        the grammar compiler's warm-up)."""
+        return self.replicas[0].engine
+
+    @property
+    def routing(self) -> str:
+        return self.router.routing
+
+    def __len__(self) -> int:
+        return len(self.replicas)
+
+    # -- lifecycle ------------------------------------------------------------------------------
+    def start(self) -> None:
+        for r in self.replicas:
+            r.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        for r in self.replicas:
+            r.stop(timeout)
+
+    def shutdown_engine(self) -> None:
+        """Each replica's ``shutdown_engine()`` (its tensor-parallel workers), after ``stop()``;
+        one that fails does not keep the others' workers running."""
+        for r in self.replicas:
+            try:
+                r.shutdown_engine()
+            except Exception:
+                logger.exception("could not shut down replica %d's engine", r.index)
+
+    @property
+    def alive(self) -> bool:
+        """Every replica's thread is running (a server with one down is unhealthy)."""
+        return all(r.alive for r in self.replicas)
+
+    @property
+    def dead_reason(self) -> str | None:
+        """Why the first replica that died did (see AsyncEngine.dead_reason), else None."""
+        for r in self.replicas:
+            if r.dead_reason is not None:
+                return f"replica {r.index}: {r.dead_reason}"
+        return None
+
+    @property
+    def num_waiting(self) -> int:
+        return sum(r.num_waiting for r in self.replicas)
+
+    @property
+    def num_in_flight(self) -> int:
+        return sum(r.num_in_flight for r in self.replicas)
+
+    # -- requests -------------------------------------------------------------------------------
+    def submit(self, prompts: list[list[int]], params: SamplingParams,
+               arrival_time: float | None = None, priority: int = 0) -> RequestStream | SplitStream:
+        """Each prompt to its replica (see :class:`Router`); one stream for all of them. Only
+        live replicas get requests; with none, EngineDead."""
+        loads = {r.index: r.num_in_flight for r in self.replicas if r.alive}
+        if not loads:
+            raise EngineDead("no engine replica is running")
+        groups: dict[int, list[int]] = {}
+        for pos, token_ids in enumerate(prompts):
+            route = self.router.choose(token_ids, loads)
+            loads[route.replica] += 1
+            groups.setdefault(route.replica, []).append(pos)
+        if len(groups) <= 1:
+            replica = next(iter(groups), min(loads))
+            return self.replicas[replica].submit(prompts, params, arrival_time, priority)
+        parts: list[tuple[list[int], RequestStream]] = []
+        try:
+            for replica, positions in groups.items():
+                sub = self.replicas[replica].submit([prompts[p] for p in positions], params, arrival_time, priority)
+                parts.append((positions, sub))
+        except BaseException:
+            for _, sub in parts:
+                sub.close()
+            raise
+        return SplitStream(parts, len(prompts))
+
+    def abort(self, request_id: str) -> None:
+        for r in self.replicas:  # ids are unique across replicas: only the holder acts
+            r.abort(request_id)
+
+    def cancel_all(self, error: EngineError) -> None:
+        for r in self.replicas:
+            r.cancel_all(error)
+
+    async def stats(self) -> dict[str, Any]:
+        """The replicas' engine.stats() summed (kv_usage recomputed from the sums), with each
+        replica's own (plus ``alive``) under ``replicas`` and the router's under ``routing``."""
+        per = await asyncio.gather(*(r.stats() for r in self.replicas))
+        replicas = [{**(s or {}), "alive": int(r.alive)} for r, s in zip(self.replicas, per)]
+        total = sum_stats(replicas)
+        total["replicas"] = replicas
+        total["routing"] = self.router.stats()
+        return total
+
+
+def sum_stats(per: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """Numeric values summed key by key; ``kv_usage`` is the used share of the summed blocks."""
+    total: dict[str, Any] = {}
+    for stats in per:
+        for key, value in stats.items():
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                total[key] = total.get(key, 0) + value
+    if total.get("kv_blocks_total"):
+        total["kv_usage"] = 1.0 - total.get("kv_blocks_free", 0) / total["kv_blocks_total"]
+    return total
+
+
+_DONE = object()
+
+
+class SplitStream:
+    """One request's prompts running on several replicas, read as one RequestStream: the same
+    ``request_ids`` (in prompt order), ``index``, iteration and ``close``. An error from any
+    part ends the whole stream and aborts the rest, as it does in a RequestStream."""
+
+    def __init__(self, parts: list[tuple[list[int], RequestStream]], num_prompts: int) -> None:
+        ids: list[str | None] = [None] * num_prompts
+        for positions, sub in parts:
+            for pos, rid in zip(positions, sub.request_ids):
+                ids[pos] = rid
+        self.request_ids: list[str] = [rid for rid in ids if rid is not None]
+        self._position = {rid: i for i, rid in enumerate(self.request_ids)}
+        self._parts = [sub for _, sub in parts]
+        self._queue: asyncio.Queue = asyncio.Queue()
+        self._live = len(parts)
+        self._closed = False
+        self._pumps = [asyncio.ensure_future(self._pump(sub)) for sub in self._parts]
+
+    async def _pump(self, sub: RequestStream) -> None:
+        try:
+            async for out in sub:
+                self._queue.put_nowait(out)
+        except asyncio.CancelledError:
+            raise
+        except BaseException as e:  # noqa: BLE001 - handed to the reader, raised there
+            self._queue.put_nowait(e)
+        finally:
+            self._queue.put_nowait(_DONE)
+
+    def index(self, request_id: str) -> int:
+        return self._position[request_id]
+
+    def __aiter__(self) -> "SplitStream":
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        while True:
+            if self._closed:
+                raise StopAsyncIteration
+            if not self._live and self._queue.empty():
+                raise StopAsyncIteration
+            item = await self._queue.get()
+            if item is _DONE:
+                self._live -= 1
+                continue
+            if isinstance(item, BaseException):
+                self.close()
+                raise item
+            return item
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        for pump in self._pumps:
+            pump.cancel()
+        for sub in self._parts:
+            sub.close()
