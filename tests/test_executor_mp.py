@@ -384,3 +384,21 @@ def test_rank0_failing_inside_a_step_the_worker_runs_too_ends_the_engine_without
         pids = [w.pid for w in multiprocessing.active_children()]
         llm.shutdown()
     assert multiprocessing.active_children() == [] and not any(alive(pid) for pid in pids)
+
+
+def test_shutdown_with_a_frozen_worker_ends_it_and_returns(llama_dir):
+    """A worker stopped dead (SIGSTOP) never takes rank 0's stop: shutdown gives up on the
+    send, the executor kills it, and nothing is left; within the send's deadline plus the
+    executor's stop_timeout, not never."""
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    llm = LLM(llama_dir, tensor_parallel_size=2, distributed_executor_backend={"name": "mp", "options": {
+        "stop_timeout": 2}}, **ENGINE)
+    llm.generate(PROMPTS[:1], params, use_tqdm=False)
+    [worker] = multiprocessing.active_children()
+    pid = worker.pid
+    os.kill(pid, signal.SIGSTOP)
+    start = time.monotonic()
+    with deadline(60):
+        llm.shutdown()
+    assert time.monotonic() - start < 30
+    assert multiprocessing.active_children() == [] and not alive(pid)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import threading
 import time
 
 import torch
@@ -24,6 +25,7 @@ from modserve.core.registry import Registry
 logger = logging.getLogger("modserve")
 
 STOP = "stop"  # the call that ends a worker's loop
+STOP_SEND_TIMEOUT_S = 5.0  # a worker that has not taken the stop by then is frozen: the executor kills it
 ENV_PREFIXES = ("MODSERVE_", "OMP_", "MKL_", "TORCHINDUCTOR_", "CUDA_VISIBLE_DEVICES")
 
 
@@ -56,19 +58,38 @@ def start_ranks(config: EngineConfig, registry: Registry,
 def stop_ranks(executor: Executor, tp: TensorParallel, world_size: int, tell: bool = True) -> None:
     """Tell the workers to stop (unless ``tell`` is False: they are inside a call rank 0 left),
     leave the group, and let the executor reap their processes."""
-    told = False
-    if world_size > 1 and tell and executor.failed() is None:
+    if world_size == 1:
+        executor.shutdown()
+        return
+    sender = _send_stop(tp) if tell and executor.failed() is None else None
+    if sender is not None:
+        # NOTE: the workers leave the group before rank 0's (with its rendezvous store) goes. A
+        # worker that has not taken the stop is frozen: the executor kills it, and the send ends.
+        executor.shutdown()
+        sender.join(STOP_SEND_TIMEOUT_S)
+        if dist.is_initialized() and not sender.is_alive():
+            dist.destroy_process_group()
+        return
+    if dist.is_initialized():
+        dist.destroy_process_group()  # untold workers, waiting on rank 0's sockets, end now
+    executor.shutdown()
+
+
+def _send_stop(tp: TensorParallel) -> threading.Thread:
+    """Broadcast ``stop`` from a thread, waiting for it at most STOP_SEND_TIMEOUT_S: a frozen
+    worker never takes it, and the executor must get the chance to kill it."""
+    def send() -> None:
         try:
             tp.broadcast((STOP, ()))
-            told = True
         except Exception as e:  # a worker already gone: the executor reaps the rest
             logger.warning("tensor parallel: could not tell every worker to stop: %s", e)
-    if told:
-        executor.shutdown()  # NOTE: before rank 0's group (and its rendezvous store) goes: they leave it first
-    if world_size > 1 and dist.is_initialized():
-        dist.destroy_process_group()  # untold workers, waiting on rank 0's sockets, end now
-    if not told:
-        executor.shutdown()
+
+    sender = threading.Thread(target=send, name="modserve-stop-ranks", daemon=True)
+    sender.start()
+    sender.join(STOP_SEND_TIMEOUT_S)
+    if sender.is_alive():
+        logger.warning("tensor parallel: a worker did not take the stop within %g s", STOP_SEND_TIMEOUT_S)
+    return sender
 
 
 def _free_port(host: str) -> int:
