@@ -36,13 +36,13 @@ from typing import Any
 import pytest
 import torch
 
-from modserve import LLM, SamplingParams
+from modserve import LLM
 from modserve.core import engine, model_runner
 from modserve.core.batch import MICRO_BATCH_MIN_TOKENS, micro_batch_count
 from modserve.testing import cached_checkpoint
 from test_tensor_parallel import (
     ENGINE, LENGTHS, MAX_NEW, SECOND_NEW, Run, assert_engine_was_clean, assert_workload_exercised, max_logprob_diff,
-    prompts_for,
+    prompts_for, run_workload,
 )
 
 PP = 2
@@ -86,24 +86,14 @@ def run_engine(path: str, tp: int = 1, pp: int = 1, **overrides: Any) -> PPRun:
             stage_layers = list(runner.layers)
             cached_layers = [i for i, c in enumerate(runner.kv_caches) if c.numel()]
             placeholders = [i for i, m in enumerate(runner.model.layers) if isinstance(m, torch.nn.Identity)]
-            prompts = prompts_for(runner.vocab_size)
-            params = [SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True, logprobs=3,
-                                     prompt_logprobs=3 if i % 2 == 0 else None) for i in range(len(prompts))]
-            first = llm.generate(prompts, params, use_tqdm=False)  # all 8 submitted together
-            hits = llm.engine.stats()["allocator_prefix_hit_tokens"]
-            second = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=SECOND_NEW, ignore_eos=True),
-                                  use_tqdm=False)
-            stats = llm.engine.stats()
+            fields = run_workload(llm)
         finally:
             llm.engine.shutdown()
     finally:
         model_runner.split_batch = split
-    run = PPRun(tokens=[o.outputs[0].token_ids for o in first], logprobs=[o.outputs[0].logprobs for o in first],
-                prompt_logprobs={i: o.prompt_logprobs for i, o in enumerate(first) if o.prompt_logprobs},
-                tokens2=[o.outputs[0].token_ids for o in second],
-                cached2=stats["allocator_prefix_hit_tokens"] - hits, stats=stats,
-                children=[p.name for p in multiprocessing.active_children()], seconds=time.monotonic() - start,
-                stage_layers=stage_layers, cached_layers=cached_layers, placeholders=placeholders, parts=parts)
+    run = PPRun(**fields, children=[p.name for p in multiprocessing.active_children()],
+                seconds=time.monotonic() - start, stage_layers=stage_layers, cached_layers=cached_layers,
+                placeholders=placeholders, parts=parts)
     return run
 
 

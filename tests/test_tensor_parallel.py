@@ -207,27 +207,32 @@ class Run:
     seconds: float
 
 
+def run_workload(llm: LLM) -> dict[str, Any]:
+    """The workload on ``llm``: a Run's fields from ``tokens`` to ``stats``."""
+    prompts = prompts_for(llm.engine.runner.vocab_size)
+    params = [SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True, logprobs=LOGPROBS,
+                             prompt_logprobs=LOGPROBS if i % 2 == 0 else None) for i in range(len(prompts))]
+    first = llm.generate(prompts, params, use_tqdm=False)  # all 8 submitted together
+    hits = llm.engine.stats()["allocator_prefix_hit_tokens"]
+    second = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=SECOND_NEW, ignore_eos=True),
+                          use_tqdm=False)
+    stats = llm.engine.stats()
+    return dict(tokens=[o.outputs[0].token_ids for o in first], logprobs=[o.outputs[0].logprobs for o in first],
+                prompt_logprobs={i: o.prompt_logprobs for i, o in enumerate(first) if o.prompt_logprobs},
+                tokens2=[o.outputs[0].token_ids for o in second],
+                # NOTE: not RequestOutput.num_cached_tokens, which the engine leaves 0
+                cached2=stats["allocator_prefix_hit_tokens"] - hits, stats=stats)
+
+
 def run_engine(path: str, tp: int, registry: Registry | None = None, **overrides: Any) -> Run:
     start = time.monotonic()
     llm = LLM(path, **{**ENGINE, **overrides}, tensor_parallel_size=tp, registry=registry)
     try:
         assert llm.engine.runner.tp.size == tp
-        prompts = prompts_for(llm.engine.runner.vocab_size)
-        params = [SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True, logprobs=LOGPROBS,
-                                 prompt_logprobs=LOGPROBS if i % 2 == 0 else None) for i in range(len(prompts))]
-        first = llm.generate(prompts, params, use_tqdm=False)  # all 8 submitted together
-        hits = llm.engine.stats()["allocator_prefix_hit_tokens"]
-        second = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=SECOND_NEW, ignore_eos=True),
-                              use_tqdm=False)
-        stats = llm.engine.stats()
+        fields = run_workload(llm)
     finally:
         llm.engine.shutdown()
-    return Run(tokens=[o.outputs[0].token_ids for o in first], logprobs=[o.outputs[0].logprobs for o in first],
-               prompt_logprobs={i: o.prompt_logprobs for i, o in enumerate(first) if o.prompt_logprobs},
-               tokens2=[o.outputs[0].token_ids for o in second],
-               # NOTE: not RequestOutput.num_cached_tokens, which the engine leaves 0
-               cached2=stats["allocator_prefix_hit_tokens"] - hits,
-               stats=stats, children=[p.name for p in multiprocessing.active_children()],
+    return Run(**fields, children=[p.name for p in multiprocessing.active_children()],
                seconds=time.monotonic() - start)
 
 

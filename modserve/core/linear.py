@@ -18,9 +18,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from modserve.core.interfaces import LinearSpec, Quantizer
+from modserve.core.interfaces import LinearSpec, Quantizer, TensorLayout
 from modserve.core.parallel import TensorParallel
 from modserve.core.plugin_calls import quantized_apply
+
+
+BIAS_LAYOUT = TensorLayout(out_dim=0, in_dim=None)  # [out]: a row-parallel layer's is whole on every rank
 
 
 class Linear(nn.Module):
@@ -51,18 +54,18 @@ class Linear(nn.Module):
         if name == "bias" and self.bias is not None:
             if self.spec.parallel == "row" and self.tp.rank:
                 tensor = torch.zeros_like(tensor)  # added once, by rank 0, before the all-reduce
-            elif self.spec.parallel == "column":
-                tensor = tensor.narrow(0, self.spec.shard_starts[shard], self.spec.shard_sizes[shard])
-            load_shard(self.bias, tensor, self.spec, shard, dim=0, name=name)
+            load_shard(self.bias, self._rank_slice(name, tensor, shard, BIAS_LAYOUT), self.spec, shard, dim=0,
+                       name=name)
         else:
             self.quantizer.load_weight(self, name, self._rank_slice(name, tensor, shard), shard)
         self.loaded.add((name, shard))
 
-    def _rank_slice(self, name: str, tensor: torch.Tensor, shard: int) -> torch.Tensor:
+    def _rank_slice(self, name: str, tensor: torch.Tensor, shard: int,
+                    layout: TensorLayout | None = None) -> torch.Tensor:
         spec = self.spec
         if spec.tp_size == 1 or spec.parallel is None:
             return tensor
-        layout = self.quantizer.tensor_layout(name, spec)
+        layout = layout or self.quantizer.tensor_layout(name, spec)
         if spec.parallel == "column" and layout.out_dim is not None:
             per = layout.out_per_element
             return tensor.narrow(layout.out_dim, spec.shard_starts[shard] // per, spec.shard_sizes[shard] // per)

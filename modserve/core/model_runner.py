@@ -45,7 +45,7 @@ class ModelInput:
     # Prompt logprobs: per sequence that asked and whose chunk holds prompt rows, (the prompt
     # position its first row predicts, its first row in prompt_rows, its number of rows).
     prompt_seqs: dict[Sequence, tuple[int, int, int]] = field(default_factory=dict)
-    prompt_rows: list[int] = field(default_factory=list)  # [P'] rows of the hidden states scored
+    prompt_rows: torch.Tensor | None = None  # [P'] int64 rows of the hidden states scored
     prompt_targets: list[int] = field(default_factory=list)  # [P'] the prompt token each one predicts
 
 
@@ -237,9 +237,8 @@ class ModelRunner:
         scheduled tokens (its drafts last); sample for the sequences whose last token the
         step reaches, and verify the drafts of those that speculate."""
         batch = self._prepare(scheduled.seqs, scheduled.num_new_tokens, scheduled.draft_tokens)
-        prompt_rows = torch.tensor(batch.prompt_rows, dtype=torch.int64, device=self.device)
         logits = self.run_model(scheduled.copies, scheduled.swap_out, scheduled.swap_in, batch.input_ids,
-                                batch.meta, [batch.sample_rows, batch.spec_rows, prompt_rows])
+                                batch.meta, [batch.sample_rows, batch.spec_rows, batch.prompt_rows])
         out, parts = ModelOutput(), []
         if batch.sampled:
             seqs, samples, tokens = self._sample(batch.sampled, logits[0])
@@ -351,7 +350,7 @@ class ModelRunner:
                 sample_rows.append(end - 1)
         as_index = lambda r: torch.tensor(r, dtype=torch.int64, device=self.device)  # noqa: E731
         return ModelInput(input_ids, meta, sampled, as_index(sample_rows), speculating, as_index(spec_rows),
-                          prompt_seqs, prompt_rows, prompt_targets)
+                          prompt_seqs, as_index(prompt_rows), prompt_targets)
 
     # -- a second model beside the target (a proposer's draft) --------------------------
     @torch.inference_mode()

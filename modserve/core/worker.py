@@ -14,7 +14,6 @@ import socket
 import threading
 import time
 
-import torch
 import torch.distributed as dist
 
 from modserve.core.config import EngineConfig

@@ -6,7 +6,7 @@ Each app has its own CollectorRegistry, so several servers in one process
 
 from __future__ import annotations
 
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -81,26 +81,23 @@ def _replica_name(name: str) -> str:
 
 def _per_replica(replicas: list[dict[str, Any]], routing: dict[str, Any]) -> Iterator[Metric]:
     labels = [str(i) for i in range(len(replicas))]
+
+    def by_replica(family: Metric, value: Callable[[dict[str, Any]], float]) -> Metric:
+        for label, stats in zip(labels, replicas):
+            family.add_metric([label], float(value(stats)))
+        return family
+
+    per = ", per data-parallel replica"
     for name, key, doc in _GAUGES:
-        family = GaugeMetricFamily(_replica_name(name), doc + ", per data-parallel replica", labels=["replica"])
-        for label, stats in zip(labels, replicas):
-            family.add_metric([label], float(stats.get(key, 0)))
-        yield family
-    family = GaugeMetricFamily("modserve_replica_kv_blocks_used", "KV cache blocks in use, per data-parallel "
-                               "replica", labels=["replica"])
-    for label, stats in zip(labels, replicas):
-        family.add_metric([label], float(_used(stats)))
-    yield family
-    alive = GaugeMetricFamily("modserve_replica_alive", "1 while the replica's engine thread runs",
-                              labels=["replica"])
-    for label, stats in zip(labels, replicas):
-        alive.add_metric([label], float(stats.get("alive", 0)))
-    yield alive
+        yield by_replica(GaugeMetricFamily(_replica_name(name), doc + per, labels=["replica"]),
+                         lambda stats, key=key: stats.get(key, 0))
+    yield by_replica(GaugeMetricFamily("modserve_replica_kv_blocks_used", "KV cache blocks in use" + per,
+                                       labels=["replica"]), _used)
+    yield by_replica(GaugeMetricFamily("modserve_replica_alive", "1 while the replica's engine thread runs",
+                                       labels=["replica"]), lambda stats: stats.get("alive", 0))
     for name, key, doc in _COUNTERS:
-        family = CounterMetricFamily(_replica_name(name), doc + ", per data-parallel replica", labels=["replica"])
-        for label, stats in zip(labels, replicas):
-            family.add_metric([label], float(stats.get(key, 0)))
-        yield family
+        yield by_replica(CounterMetricFamily(_replica_name(name), doc + per, labels=["replica"]),
+                         lambda stats, key=key: stats.get(key, 0))
     routed = CounterMetricFamily("modserve_replica_routed_requests", "Prompts routed to the replica, by why: "
                                  "prefix (it held the longest part of the prompt) or load (the least loaded)",
                                  labels=["replica", "by"])
