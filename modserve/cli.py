@@ -24,6 +24,7 @@ LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 FLAG_ALIASES: dict[str, tuple[str, ...]] = {"num_threads": ("--threads",), "tensor_parallel_size": ("-tp",)}
 # Taken as typed, never read as YAML (`--served-model-name on` is a name, not a boolean).
 TEXT_FIELDS = ("model", "tokenizer", "served_model_name", "device", "chat_template")
+LIST_FIELDS = ("cuda_graph_sizes",)  # vLLM's `--cuda-graph-sizes 1 2 4` (or one YAML list; none: [])
 
 
 class Parser(argparse.ArgumentParser):
@@ -60,7 +61,8 @@ def add_config_flags(parser: argparse.ArgumentParser, config_file: bool = True, 
     shorts = {o.key: (o.short,) for o in VLLM_OPTIONS if o.short and o.key in fields}
     for name, field in fields.items():
         metavar, help_text = field_help(name, field)
-        extra: dict[str, Any] = {"nargs": "+"} if name == "served_model_name" else {}
+        extra: dict[str, Any] = {"nargs": "+"} if name == "served_model_name" else {"nargs": "*"} \
+            if name in LIST_FIELDS else {}
         group.add_argument("--" + name.replace("_", "-"), *FLAG_ALIASES.get(name, ()), *shorts.get(name, ()),
                            dest=f"cfg_{name}", metavar=metavar, help=help_text, **extra)
     vllm = parser.add_argument_group("vLLM's spellings", "mapped onto the settings above, refused with the "
@@ -93,6 +95,8 @@ def field_help(name: str, field: FieldInfo) -> tuple[str, str]:
     from modserve.core.config import PluginChoice, SpeculativeConfig
 
     args = [a for a in typing.get_args(field.annotation) if a is not type(None)] or [field.annotation]
+    if typing.get_origin(args[0]) is list and name in LIST_FIELDS:  # one flag value per item
+        args = list(typing.get_args(args[0]))
     if typing.get_origin(field.annotation) is typing.Literal:
         choices = list(typing.get_args(field.annotation))
         metavar = "{" + ",".join(choices) + "}"
@@ -128,7 +132,11 @@ def engine_overrides(args: argparse.Namespace) -> dict[str, Any]:
             continue
         if key.startswith("cfg_"):
             name = key[4:]
-            out[name] = value if name in TEXT_FIELDS else _yaml_value(name, value)
+            if name in LIST_FIELDS:
+                items = [_yaml_value(name, v) for v in value]
+                out[name] = items[0] if len(items) == 1 and isinstance(items[0], list) else items
+            else:
+                out[name] = value if name in TEXT_FIELDS else _yaml_value(name, value)
         elif key.startswith("vllm_"):
             out[key[5:]] = value
     model = getattr(args, "model_tag", None)

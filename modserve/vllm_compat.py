@@ -91,10 +91,12 @@ def _rename(key: str, convert: Callable[[Any], Any] = lambda v: v) -> Callable[[
 
 def _enforce_eager(data: dict[str, Any], value: Any) -> None:
     if not value:
-        return  # --no-enforce-eager: modserve's compile policy decides, as vLLM's does
+        return  # --no-enforce-eager: modserve's compile and graph policies decide, as vLLM's do
     if data.get("compile") in ("on", True):
         raise ValueError("enforce_eager contradicts compile: on")
-    data["compile"] = "off"
+    if data.get("cuda_graph_sizes"):
+        raise ValueError(f"enforce_eager contradicts cuda_graph_sizes: {data['cuda_graph_sizes']}")
+    data["compile"], data["cuda_graph_sizes"] = "off", []
 
 
 def _speculative(data: dict[str, Any], value: Any) -> None:
@@ -168,7 +170,7 @@ VLLM_OPTIONS: tuple[VllmOption, ...] = (
     VllmOption("num_gpu_blocks_override", "mapped", "num_kv_blocks", _INT, _rename("num_kv_blocks")),
     VllmOption("kv_cache_memory_bytes", "mapped", "kv_cache_memory_gb (bytes / 2**30)", _INT,
                _rename("kv_cache_memory_gb", lambda v: v / 2**30)),
-    VllmOption("enforce_eager", "mapped", "compile: off", _BOOL, _enforce_eager),
+    VllmOption("enforce_eager", "mapped", "compile: off, cuda_graph_sizes: []", _BOOL, _enforce_eager),
     VllmOption("speculative_config", "mapped",
                "speculative: method ngram (prompt_lookup_max/min -> max_ngram/min_ngram) or draft_model "
                "(model: PATH), num_speculative_tokens", {"metavar": "JSON"}, _speculative),

@@ -44,6 +44,7 @@ def test_a_vllm_command_line_resolves_to_the_engine_config(llama_dir):
     assert config.scheduler.model_dump() == {
         "name": "fcfs", "options": {"chunked_prefill": True, "long_prefill_token_threshold": 64}}
     assert config.kv_cache_dtype == "fp8_e4m3" and config.dtype == "float16" and config.compile == "off"
+    assert config.cuda_graph_sizes == []  # enforce_eager: no CUDA graphs either
     assert config.speculative.model_dump() == {
         "proposer": {"name": "ngram", "options": {"max_ngram": 4, "min_ngram": 2}}, "num_speculative_tokens": 3}
     assert (config.swap_space_gb, config.num_kv_blocks, config.max_model_len) == (2.0, 96, 256)
@@ -103,6 +104,7 @@ def test_gpu_memory_utilization_is_vllms_share_of_total_memory(llama_dir, monkey
     (["--speculative-config", '{"method": "ngram", "disable_by_batch_size": 4}'],
      "speculative_config keys not supported with method ngram: disable_by_batch_size"),
     (["--enforce-eager", "--compile", "on"], "enforce_eager contradicts compile: on"),
+    (["--enforce-eager", "--cuda-graph-sizes", "8"], "enforce_eager contradicts cuda_graph_sizes: [8]"),
     (["--model", "/elsewhere"], "two models given"),
 ])
 def test_what_modserve_lacks_is_a_clear_error(llama_dir, capsys, argv, message):
@@ -320,3 +322,14 @@ def test_serve_a_vllm_command_line(tmp_path):
     assert "selected: platform=cpu, model_architecture=LlamaForCausalLM" in log
     assert "gpu_memory_utilization ignored: num_kv_blocks sizes the KV cache" in log
     assert "ignoring vLLM option disable_log_requests" in log and "KV cache: 64 blocks" in log
+
+
+@pytest.mark.parametrize("argv, sizes", [
+    (["--cuda-graph-sizes", "1", "2", "8"], [1, 2, 8]),  # vLLM's spelling: one value per size
+    (["--cuda-graph-sizes", "[4, 16]"], [4, 16]),  # or one YAML list
+    (["--cuda-graph-sizes"], []),  # none: capture nothing
+    ([], None),  # unset: the platform's default sizes
+])
+def test_cuda_graph_sizes_on_the_command_line(llama_dir, argv, sizes):
+    config, _ = resolve(["serve", llama_dir, *argv])
+    assert config.cuda_graph_sizes == sizes

@@ -31,10 +31,10 @@ if TYPE_CHECKING:  # for type checkers and IDEs; at run time each name is import
     from modserve.core.batch import build_batch
     from modserve.core.forward_context import attention, forward_context
     from modserve.core.interfaces import (
-        AttentionBackend, AttentionMetadata, AttentionSpec, CausalLM, Executor, FinishedModel, GrammarBackend,
-        GrammarMatcher, GrammarVocab, KVAllocator, LinearSpec, ModelLoad, Platform, Proposal, Proposer,
+        AttentionBackend, AttentionMetadata, AttentionSpec, CausalLM, CudaGraphSupport, Executor, FinishedModel,
+        GrammarBackend, GrammarMatcher, GrammarVocab, GraphSettings, KVAllocator, LinearSpec, ModelLoad, Platform, Proposal, Proposer,
         ProposerContext, Quantizer, Sampler, SamplerOutput, SamplingBatch, Schedule, Scheduler,
-        SchedulerLimits, SchedulerView, TensorLayout, WorkerSpec)
+        SchedulerLimits, SchedulerView, StepForward, TensorLayout, WorkerSpec)
     from modserve.core.linear import (
         Linear, LinearFactory, Unquantized, VocabEmbedding, check_name, float_layers, linear_factory, load_shard,
         model_bytes, param)
@@ -57,10 +57,10 @@ _WHERE: dict[str, str] = {name: module for module, names in (
     ("modserve.core.batch", "build_batch"),
     ("modserve.core.forward_context", "attention forward_context"),
     ("modserve.core.interfaces",
-     "AttentionBackend AttentionMetadata AttentionSpec CausalLM Executor FinishedModel "
-     "GrammarBackend GrammarMatcher GrammarVocab KVAllocator LinearSpec ModelLoad "
+     "AttentionBackend AttentionMetadata AttentionSpec CausalLM CudaGraphSupport Executor FinishedModel "
+     "GrammarBackend GrammarMatcher GrammarVocab GraphSettings KVAllocator LinearSpec ModelLoad "
      "Platform Proposal Proposer ProposerContext Quantizer Sampler SamplerOutput "
-     "SamplingBatch Schedule Scheduler SchedulerLimits SchedulerView TensorLayout WorkerSpec"),
+     "SamplingBatch Schedule Scheduler SchedulerLimits SchedulerView StepForward TensorLayout WorkerSpec"),
     ("modserve.core.linear",
      "Linear LinearFactory Unquantized VocabEmbedding check_name float_layers linear_factory "
      "load_shard model_bytes param"),
@@ -93,7 +93,8 @@ __all__ = [
     "AttentionBackend", "CausalLM", "Executor", "GrammarBackend", "GrammarMatcher", "KVAllocator", "Platform",
     "Proposer", "Quantizer", "Sampler", "Scheduler",
     # the data they receive and return
-    "AttentionMetadata", "AttentionSpec", "FinishedModel", "GrammarSpec", "GrammarVocab", "LinearSpec",
+    "AttentionMetadata", "AttentionSpec", "CudaGraphSupport", "FinishedModel", "GrammarSpec", "GrammarVocab",
+    "GraphSettings", "LinearSpec", "StepForward",
     "ModelLoad", "Proposal", "ProposerContext", "SamplerOutput", "SamplingBatch", "SamplingParams", "Schedule",
     "SchedulerLimits", "SchedulerView", "Sequence", "SequenceStatus", "SequenceView", "StructuredOutputs",
     "TensorLayout", "WorkerSpec",

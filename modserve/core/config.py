@@ -117,6 +117,10 @@ class EngineConfig(BaseModel):
     prepack_weights: Literal["auto", "on", "off"] = Field(
         "auto", description="CPU, float32: pack each linear's weight once for batched GEMMs (faster "
         "batched steps; a second float32 copy); auto: on for unquantized CPU models of 64 MiB or more")
+    cuda_graph_sizes: list[int] | None = Field(
+        None, description="CUDA: decode batch sizes captured as CUDA graphs (a batch runs padded to the next "
+        "one, eager above the largest); default 1, 2, 4, then every 8 up to max_num_seqs; [] captures none "
+        "(vLLM's enforce_eager sets [] and compile: off)")
     attention_backend: PluginChoice = Field(PluginChoice(name="paged"), description="Attention backend plugin")
     kv_allocator: PluginChoice = Field(PluginChoice(name="paged"), description="KV block allocator plugin")
     scheduler: PluginChoice = Field(PluginChoice(name="fcfs"), description="Scheduling policy plugin")

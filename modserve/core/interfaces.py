@@ -8,6 +8,7 @@ pydantic model it declared (or None).
 
 from __future__ import annotations
 
+import enum
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any, Callable, ClassVar, Iterable, NamedTuple, Sequence as Seq
@@ -75,6 +76,14 @@ class AttentionMetadata:
         return len(self.query_lens_cpu)
 
 
+class CudaGraphSupport(enum.Enum):
+    """What of a step a CUDA graph may capture around an attention backend (vLLM's
+    ``AttentionCGSupport``): the platform captures no more than the backend declares."""
+
+    NEVER = "never"
+    DECODE = "decode"  # steps of decodes only (one new token per sequence), per batch size
+
+
 class AttentionBackend(ABC):
     """Causal attention over a paged KV cache for a mixed prefill+decode batch.
 
@@ -85,7 +94,16 @@ class AttentionBackend(ABC):
     Every backend must give the same result as ``reference`` up to float error.
     With a quantized cache (``spec.kv_cache_dtype``), every key and value is read as
     stored, this step's included.
+
+    ``cuda_graphs = DECODE`` promises more, for steps of decodes only: ``prepare`` and
+    ``forward`` launch the same work whatever the values in ``meta``'s tensors, for a given
+    ``num_seqs`` (a graph replays them on new values). They read nothing per step from the
+    host (``*_cpu`` and ``max_seq_len`` hold the worst case, ``max_model_len``, at capture),
+    never sync with the device, and a slot of -1 in ``slot_mapping`` writes nowhere (the
+    padding rows of a captured batch).
     """
+
+    cuda_graphs: ClassVar[CudaGraphSupport] = CudaGraphSupport.NEVER
 
     def __init__(self, spec: AttentionSpec, options: BaseModel | None = None) -> None:
         self.spec = spec
@@ -526,6 +544,21 @@ class FinishedModel(NamedTuple):
     packed_weight_bytes: int = 0  # extra weight copies for batched GEMMs
 
 
+@dataclass(frozen=True, slots=True)
+class GraphSettings:
+    """What :meth:`Platform.capture_graphs` may capture."""
+
+    sizes: tuple[int, ...] | None  # batch sizes to capture; None: the platform's default; (): none
+    attention_backend: str  # its name in the config, for the log
+    max_num_seqs: int
+    max_model_len: int
+    block_size: int
+
+
+# One step's forward: (input_ids [T], meta) -> hidden states [T, hidden].
+StepForward = Callable[[torch.Tensor, AttentionMetadata], torch.Tensor]
+
+
 class Platform(ABC):
     """One device type's answers to what the core would otherwise ask with ``if device.type``:
     the compute dtype, the memory left for the KV cache, process tuning, when to compile,
@@ -573,6 +606,14 @@ class Platform(ABC):
         :func:`CausalLM.compile_regions`), and give the linear method's layers the weight
         copies it reads. A setting of ``on`` that cannot work here is a ``ValueError``
         saying why; an ``auto`` that stays off logs why."""
+
+    def capture_graphs(self, forward: StepForward, backend: AttentionBackend,
+                       settings: GraphSettings) -> StepForward:
+        """Once the KV cache is allocated, on every rank: what runs a step's forward from now
+        on. ``forward`` itself (the default: every step eager), or a replacement that replays
+        graphs captured of ``forward`` for the steps they fit (no more than ``backend.cuda_graphs``
+        allows) and calls ``forward`` for the others, giving the same hidden states."""
+        return forward
 
 
 # ---------------------------------------------------------------------------
@@ -677,7 +718,8 @@ class ProposerContext:
         if hf_config.vocab_size != self.vocab_size:
             raise ValueError(f"draft vocab_size {hf_config.vocab_size} differs from the target's "
                              f"{self.vocab_size}: the draft must share the tokenizer")
-        config = self.config.model_copy(update={"model": model, "quantization": None})
+        # No CUDA graphs: a draft runs its own forward, never the captured step.
+        config = self.config.model_copy(update={"model": model, "quantization": None, "cuda_graph_sizes": []})
         runner = ModelRunner(config, hf_config, self.registry, self.dtype, self.max_model_len, set(), progress=False)
         runner.allocate_kv_cache(self.num_blocks)
         return runner

@@ -14,8 +14,8 @@ import torch
 from modserve.core.batch import build_batch, micro_batch_count, split_batch
 from modserve.core.config import EngineConfig
 from modserve.core.grammar import fill_token_bitmask
-from modserve.core.interfaces import (AttentionMetadata, AttentionSpec, ModelLoad, Platform, SamplerOutput,
-                                      SamplingBatch)
+from modserve.core.interfaces import (AttentionMetadata, AttentionSpec, GraphSettings, ModelLoad, Platform,
+                                      SamplerOutput, SamplingBatch, StepForward)
 from modserve.core.linear import default_dtype, finish_linears, linear_factory, model_bytes
 from modserve.core.loader import checkpoint_dtype, iter_weights
 from modserve.core.parallel import PipelineStage, RanksOutOfStep, TensorParallel
@@ -145,7 +145,9 @@ class ModelRunner:
         self.vocab_size = hf_config.vocab_size
         self.sampler = registry.create("sampler", config.sampler, self.vocab_size)
         self.model = self._load_model(registry, max_model_len, progress)
+        self.max_model_len = max_model_len
         self.kv_caches: list[torch.Tensor] = []
+        self.step_forward: StepForward = self._forward  # the platform's CUDA graphs, once the cache exists
 
     def _load_model(self, registry: Registry, max_model_len: int, progress: bool) -> torch.nn.Module:
         archs = getattr(self.hf_config, "architectures", None) or []
@@ -210,6 +212,11 @@ class ModelRunner:
         pin = self.device.type == "cuda"
         self.host_caches = [torch.zeros(host_shape if i in self.layers else 0, dtype=kv_dtype, pin_memory=pin)
                             for i in range(self.attn_spec.num_layers)] if num_host_blocks else []
+        if self.pp.size == 1:  # a stage's forward takes the previous stage's hidden states: eager
+            cfg = self.config
+            sizes = None if cfg.cuda_graph_sizes is None else tuple(cfg.cuda_graph_sizes)
+            self.step_forward = self.platform.capture_graphs(self._forward, self.attn, GraphSettings(
+                sizes, cfg.attention_backend.name, cfg.max_num_seqs, self.max_model_len, self.block_size))
 
     @torch.inference_mode()
     def move_blocks(self, copies: list[tuple[int, int]], swap_out: list[tuple[int, int]],
@@ -265,7 +272,7 @@ class ModelRunner:
         self.move_blocks(copies, swap_out, swap_in)
         pp = self.pp
         if pp.size == 1:
-            hidden = self._forward(input_ids, meta)  # [T, hidden]
+            hidden = self.step_forward(input_ids, meta)  # [T, hidden]
             return [self.model.compute_logits(hidden[rows]) if rows.numel() else None for rows in logit_rows]
         # A stage: its micro-batches one after another, each the previous stage's hidden states
         # in, this stage's layers, out to the next (sent without waiting: the next micro-batch
