@@ -15,7 +15,7 @@ from typing import Any, ClassVar, Sequence as Seq
 import torch
 
 from modserve.api import (
-    AttentionBackend, AttentionMetadata, GrammarMatcher, Proposal, Register, Schedule, SchedulerLimits,
+    AttentionBackend, AttentionMetadata, CudaGraphSupport, GrammarMatcher, Proposal, Register, Schedule, SchedulerLimits,
     SchedulerView, Sequence, TensorLayout, WorkerSpec, hookimpl, read_kv, slots, write_kv)
 from modserve.api.fp8 import FP8
 from modserve.plugins.grammars.xgrammar_backend import XGrammarBackend
@@ -53,8 +53,10 @@ class FaultyAttention(AttentionBackend):
             used = set(meta.slot_mapping.div(s.block_size, rounding_mode="floor").tolist())
             kv_cache[:, next(b for b in range(kv_cache.shape[1]) if b not in used)] = 0
         out = torch.empty_like(q)
-        for i, start in enumerate(meta.query_start_loc[:-1].tolist()):
-            n, ctx, seq_len = meta.query_lens_cpu[i], meta.context_lens_cpu[i], meta.seq_lens_cpu[i]
+        # graph_pad_writes keeps the graph promise but for its writes: lengths from the tensors
+        lengths = zip(*(t.tolist() for t in (meta.query_lens, meta.context_lens, meta.seq_lens))) \
+            if self.fault == "graph_pad_writes" else zip(meta.query_lens_cpu, meta.context_lens_cpu, meta.seq_lens_cpu)
+        for i, (start, (n, ctx, seq_len)) in enumerate(zip(meta.query_start_loc[:-1].tolist(), lengths)):
             pos = torch.arange(seq_len)
             at = slots(meta.block_tables[i], pos, s.block_size)
             if self.fault == "fp8_ignores_scale":
@@ -74,7 +76,9 @@ class FaultyAttention(AttentionBackend):
 
 
 def attention(fault: str) -> type[AttentionBackend]:
-    return type(f"Attention_{fault}", (FaultyAttention,), {"fault": fault})
+    # graph_*: declares CUDA-graph capture of decodes, then breaks the promise
+    graphs = CudaGraphSupport.DECODE if fault.startswith("graph_") else CudaGraphSupport.NEVER
+    return type(f"Attention_{fault}", (FaultyAttention,), {"fault": fault, "cuda_graphs": graphs})
 
 
 # -- KV allocators: the paged allocator, one bookkeeping fault each --------------------------
@@ -539,7 +543,7 @@ class ForgetUnknownRaises(NgramProposer):
 BROKEN: dict[str, dict[str, Any]] = {
     "attention_backend": {f: attention(f) for f in (
         "no_causal_mask", "skips_cache_write", "stray_write", "gqa_wrong_head", "fp8_ignores_scale",
-        "float32_output", "blocks_in_dim_0")},
+        "float32_output", "blocks_in_dim_0", "graph_reads_host_lists", "graph_pad_writes")},
     "kv_allocator": {"leaks_on_free": LeaksOnFree, "leaks_and_hides_it": LeaksAndHidesIt,
                      "partial_on_failure": PartialOnFailure, "no_copy_on_write": NoCopyOnWrite,
                      "unreported_copies": UnreportedCopies, "matches_whole_prompt": MatchesWholePrompt,

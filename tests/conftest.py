@@ -9,6 +9,13 @@ import weakref
 os.environ["MODSERVE_LOAD_PLUGINS"] = "modserve"
 
 import pytest
+import torch
+
+# Triton kernels (attention_backend: triton, the AWQ GEMM) run on CPU tensors only in Triton's
+# interpreter, which triton.jit picks when a kernel is defined: so before any test imports one.
+# Where a GPU runs them for real, the kernels are compiled.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from modserve.core import engine as engine_mod
 from modserve.core.registry import reset_registry

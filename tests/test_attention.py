@@ -370,7 +370,7 @@ def test_registration() -> None:
 
     reg = Registry()
     reg.add_plugin(plugin, "builtin-attention")
-    assert reg.names("attention_backend") == ["paged", "reference"]
+    assert reg.names("attention_backend") == ["paged", "reference", "triton"]
     assert reg.load("attention_backend", "paged") is PagedAttention
     assert reg.load("attention_backend", "reference") is ReferenceAttention
     assert all(r.description for r in reg.registrations()["attention_backend"].values())

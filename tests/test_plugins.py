@@ -144,7 +144,7 @@ def test_load_plugins_env_allowlist_filters_third_parties_only(monkeypatch):
 
     monkeypatch.setenv("MODSERVE_LOAD_PLUGINS", "")  # built-ins only, never nothing at all
     reset_registry()
-    assert get_registry().names("attention_backend") == ["paged", "reference"]
+    assert get_registry().names("attention_backend") == ["paged", "reference", "triton"]
     assert {d["distribution"] for d in get_registry().describe()} == {"modserve"}
 
 

@@ -19,3 +19,10 @@ def register_attention_backends(register):
         description="Batched decode (a C++ kernel on CPU) plus per-sequence SDPA prefill over a paged KV "
         "cache (CPU default)",
     )
+    register(
+        "triton",
+        "modserve.attention_backends.triton_attention:TritonAttention",
+        options="modserve.attention_backends.triton_attention:TritonOptions",
+        description="One Triton kernel over the paged cache for mixed prefill+decode batches, split-KV decode, "
+        "CUDA-graph capturable decode (GPU; on CPU only under TRITON_INTERPRET=1, for tests)",
+    )

@@ -37,7 +37,10 @@ def run(targets: list[str], extra_args: Sequence[str] = ()) -> int:
     """Run the kit on ``targets`` (``KIND:NAME`` each; empty: everything registered) in this
     process, with ``extra_args`` passed on to pytest. Returns pytest's exit code (0: all passed)."""
     import pytest
+    import torch
 
+    if not torch.cuda.is_available():  # Triton kernels (a triton backend) then run in its interpreter, slowly
+        os.environ.setdefault("TRITON_INTERPRET", "1")
     args = ["--pyargs", PACKAGE]
     if os.environ.get("PYTEST_DISABLE_PLUGIN_AUTOLOAD"):  # else the entry point loads it
         args += ["-p", f"{PACKAGE}.plugin"]

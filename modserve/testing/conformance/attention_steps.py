@@ -129,6 +129,21 @@ class History:
             self.values[s].append(v[start : start + n])
         return Step(index, order, q, k, v, meta)
 
+    def decode_step(self, index: int) -> Step:
+        """After steps ``0 .. index - 1``: one new token for every sequence that has arrived and
+        has room left in its blocks, in batch order (a step of decodes only)."""
+        c, bs = self.case, self.case.block_size
+        order = [s for s, p in enumerate(self.plan)
+                 if 0 < sum(p[:index]) < len(self.tables[s]) * bs]
+        ctx = [sum(self.plan[s][:index]) for s in order]
+        tables = [self.tables[s][: cl // bs + 1] for s, cl in zip(order, ctx)]
+        _, meta = build_batch([[0]] * len(order), ctx, tables, bs, CPU)
+        q, k, v = (self.rand(len(order), heads, c.head_dim) for heads in (c.num_heads, c.num_kv_heads, c.num_kv_heads))
+        for row, s in enumerate(order):
+            self.keys[s].append(k[row : row + 1])
+            self.values[s].append(v[row : row + 1])
+        return Step(index, order, q, k, v, meta)
+
     def stored(self, x: torch.Tensor, scale: float) -> torch.Tensor:
         """``x`` as the cache holds it, in float64: e4m3(x / scale) * scale for an fp8 cache."""
         return to_fp8(x, scale).double() * scale if self.case.fp8_kv else x.double()

@@ -2,7 +2,8 @@
 
 Each case runs three steps of ragged batches mixing fresh prefills, chunked prefills (cached
 context plus several new tokens) and decodes, over random block tables, with sequences
-crossing block boundaries (:mod:`.attention_steps`).
+crossing block boundaries (:mod:`.attention_steps`). A backend that declares CUDA-graph
+capture of decodes is also run the way a replayed graph runs it, on CPU.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from typing import Iterator
 import pytest
 import torch
 
-from modserve.api import AttentionBackend
+from modserve.api import AttentionBackend, AttentionMetadata, CudaGraphSupport
 from modserve.testing.conformance.attention_steps import AttentionCase, History, Step
 from modserve.testing.conformance.targets import Implementation
 
@@ -115,3 +116,68 @@ def test_kv_cache_shape_indexes_blocks_in_dimension_1(implementation: Implementa
         f"kv_cache_shape(5) = {small}, kv_cache_shape(9) = {large}: dimension 1 must be the block count")
     assert small[:1] + small[2:] == large[:1] + large[2:], (
         f"kv_cache_shape(5) = {small}, kv_cache_shape(9) = {large}: only dimension 1 may change with it")
+
+
+def _as_captured(meta: AttentionMetadata, max_model_len: int, block_size: int, padding: int) -> AttentionMetadata:
+    """``meta`` (decodes only) as a CUDA graph captured for ``num_seqs + padding`` rows sees it:
+    the step's values in its tensors, ``padding`` rows that write nowhere (slot -1) and read one
+    key of block 0, block tables as wide as ``max_model_len``, and host lists holding that worst
+    case, not the step's."""
+    b, rows, cols = meta.num_seqs, meta.num_seqs + padding, meta.block_tables.shape[1]
+    tables = torch.zeros(rows, -(-max_model_len // block_size), dtype=meta.block_tables.dtype)
+    tables[:b, :cols] = meta.block_tables
+
+    def padded(t: torch.Tensor, value: int) -> torch.Tensor:
+        return torch.cat([t, torch.full((padding,), value, dtype=t.dtype)])
+
+    return AttentionMetadata(
+        num_tokens=rows, positions=padded(meta.positions, 0), slot_mapping=padded(meta.slot_mapping, -1),
+        query_start_loc=torch.arange(rows + 1, dtype=meta.query_start_loc.dtype),
+        query_lens=torch.ones(rows, dtype=meta.query_lens.dtype), context_lens=padded(meta.context_lens, 0),
+        seq_lens=padded(meta.seq_lens, 1), block_tables=tables, query_lens_cpu=[1] * rows,
+        seq_lens_cpu=[max_model_len] * rows, context_lens_cpu=[max_model_len - 1] * rows, max_query_len=1,
+        max_seq_len=max_model_len)
+
+
+@pytest.mark.parametrize("case", CASES[:3] + CASES[6:7], ids=lambda c: c.id)
+def test_keeps_its_cuda_graph_promise(implementation: Implementation, case: AttentionCase) -> None:
+    """``cuda_graphs = DECODE``: a step of decodes gives the same attention when its host lists
+    hold only the worst case (a graph replays what was captured with them), padding rows with
+    slot -1 change no block, and the padding's output is finite."""
+    backend = backend_for(implementation, case)
+    if type(backend).cuda_graphs is not CudaGraphSupport.DECODE:
+        pytest.skip(f"{implementation} declares no CUDA-graph capture (cuda_graphs: "
+                    f"{type(backend).cuda_graphs.value})")
+    history = History(case, seed=case.head_dim + case.block_size + 2)
+    steps = run_steps(backend, history)
+    for _ in range(history.num_steps - 1):  # the cache holds every sequence's first steps
+        _, _, _, cache = next(steps)
+    step = history.decode_step(history.num_steps - 1)
+    max_model_len = 8 * case.block_size * (1 + max(len(t) for t in history.tables))
+    meta = _as_captured(step.meta, max_model_len, case.block_size, padding=3)
+    b = step.meta.num_seqs
+
+    def padded(x: torch.Tensor) -> torch.Tensor:  # [B, heads, D] -> [B + 3, heads, D]
+        return torch.cat([x, torch.randn(3, *x.shape[1:], generator=history.gen).to(x.dtype)])
+
+    before = cache.clone()
+    pk, pv = padded(step.k), padded(step.v)
+    out = backend.forward(padded(step.q), pk, pv, cache, meta, backend.prepare(meta))
+    error = (out[:b].double() - history.reference(step)).abs()
+    i, worst = worst_sequence(step, error)
+    assert worst <= ATOL[case.dtype], (
+        f"{step.describe(i)} differs from causal attention by {worst:.3g} when the step's host lists hold the "
+        f"worst case (max_seq_len {max_model_len}): with cuda_graphs = DECODE, prepare() and forward() must take "
+        f"each sequence's length from meta's tensors, never from seq_lens_cpu / context_lens_cpu")
+    assert torch.isfinite(out[b:]).all(), "padding rows (slot -1, seq_len 1) must give finite output"
+    if case.dtype == torch.float32 and not case.fp8_kv:  # distinct float32 values: a fingerprint
+        padding = torch.cat([pk[b:].flatten(), pv[b:].flatten()])
+        stray = torch.isin(padding, cache.flatten()) & ~torch.isin(padding, before.flatten())  # stale: no news
+        assert not stray.any(), (f"{int(stray.sum())} key/value numbers of the padding rows are in the cache: a "
+                                 f"slot of -1 in meta.slot_mapping (a graph's padding row) must write nowhere")
+    written = history.written(step)
+    for block in range(history.num_blocks):
+        if block not in written:
+            assert torch.equal(cache[:, block].view(torch.uint8), before[:, block].view(torch.uint8)), (
+                f"block {block} changed: a slot of -1 in meta.slot_mapping (a graph's padding row) must write "
+                f"nowhere")
