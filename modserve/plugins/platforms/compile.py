@@ -17,6 +17,11 @@ import torch
 from torch import nn
 
 
+# Below this many weight bytes the first compile (~10-20 s on two CPU cores, tens of seconds on
+# a GPU) costs more than the per-step time it saves over a typical run; the test models are far below.
+AUTO_COMPILE_MIN_BYTES = 64 * 2**20
+
+
 def compiler(fn: Callable) -> Callable:
     """How a platform compiles a model region: one graph for batch size 1, one for the rest."""
     # A layer's index (an int attribute) must be a graph input, not a constant, or every

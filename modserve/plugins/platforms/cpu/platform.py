@@ -9,16 +9,13 @@ import torch
 from pydantic import BaseModel
 
 from modserve.api import CausalLM, FinishedModel, ModelLoad, Platform, Unquantized, model_bytes
-from modserve.plugins.platforms.compile import compile_regions
+from modserve.plugins.platforms.compile import AUTO_COMPILE_MIN_BYTES, compile_regions
 from modserve.plugins.platforms.cpu.host_memory import keep_freed_memory
 from modserve.plugins.platforms.cpu.linear import CpuLinear, add_decode_weights, decode_weight_dtype
 from modserve.plugins.platforms.cpu.prepack import add_packed_weights
 
 logger = logging.getLogger("modserve")
 
-# Below this many weight bytes the first compile (~10-20 s on two cores) costs more
-# than the per-step time it saves over a typical run; the test models are far below.
-AUTO_COMPILE_MIN_BYTES = 64 * 2**20
 
 
 class CpuPlatform(Platform):

@@ -1,5 +1,6 @@
 """The ``cuda`` platform: the checkpoint's dtype, the device's free memory, plain GEMMs
-(cuBLAS through ``F.linear``: the default linear method), eager unless ``compile: on``."""
+(cuBLAS through ``F.linear``: the default linear method), compiled layers for unquantized
+models of 64 MiB or more, CUDA graphs for decode steps where the attention backend allows them."""
 
 from __future__ import annotations
 
@@ -8,8 +9,10 @@ import logging
 import torch
 from pydantic import BaseModel
 
-from modserve.api import CausalLM, FinishedModel, ModelLoad, Platform
-from modserve.plugins.platforms.compile import compile_regions
+from modserve.api import (AttentionBackend, CausalLM, FinishedModel, GraphSettings, ModelLoad, Platform,
+                          StepForward, model_bytes)
+from modserve.plugins.platforms.compile import AUTO_COMPILE_MIN_BYTES, compile_regions
+from modserve.plugins.platforms.cuda.graphs import CudaGraphRecorder, capture_decode_graphs
 
 logger = logging.getLogger("modserve")
 
@@ -35,14 +38,25 @@ class CudaPlatform(Platform):
             raise ValueError(f"prepack_weights: on, but {problem}")
         if load.prepack_weights == "auto":
             logger.info("prepack_weights auto: off (%s)", problem)
-        return FinishedModel(self.compile_wanted(load.compile, load.quantized) and compile_regions(model))
+        return FinishedModel(self.compile_wanted(load.compile, model_bytes(model), load.quantized)
+                             and compile_regions(model))
 
-    def compile_wanted(self, setting: str, quantized: bool) -> bool:
+    def compile_wanted(self, setting: str, weight_bytes: int, quantized: bool) -> bool:
+        """``auto``: on for unquantized models of AUTO_COMPILE_MIN_BYTES or more. Inductor fuses each
+        layer's elementwise chains (RMSNorm, RoPE, SiLU-and-mul, residual adds) into a few Triton
+        kernels around the GEMMs and attention; below that size the first compile (tens of seconds)
+        costs more than a short run saves."""
         if setting != "auto":
             return setting == "on"
         if quantized:
             logger.info("compile auto: off (quantized linears run eagerly; set compile: on to try them compiled)")
-        else:
-            logger.info("compile auto: off (on %s the eager path is used; set compile: on to try it)",
-                        self.device.type)
-        return False
+            return False
+        if weight_bytes < AUTO_COMPILE_MIN_BYTES:
+            logger.info("compile auto: off (%.0f MiB of weights: compiling would take longer than it saves)",
+                        weight_bytes / 2**20)
+            return False
+        return True
+
+    def capture_graphs(self, forward: StepForward, backend: AttentionBackend,
+                       settings: GraphSettings) -> StepForward:
+        return capture_decode_graphs(forward, backend, settings, self.device, CudaGraphRecorder(self.device))
