@@ -166,3 +166,95 @@ def test_guided_choice_on_the_gpu(llama_dir, grammar_backend):
                             structured_outputs=StructuredOutputs(choice=choices))
     out, = llm.generate("Pick:", params, use_tqdm=False)
     assert all(c.finish_reason == "stop" and c.text in choices for c in out.outputs)
+
+
+# -- the triton backend and CUDA graphs of decode steps ---------------------------------------
+BACKENDS = ("reference", "paged", "triton")
+
+
+def graph_runner(llm: LLM):
+    """What runs each step's forward: DecodeGraphs when decode steps replay CUDA graphs, else
+    the runner's own eager forward."""
+    return llm.engine.runner.step_forward
+
+
+def captures(llm: LLM) -> bool:
+    return type(graph_runner(llm)).__name__ == "DecodeGraphs"
+
+
+def test_triton_on_the_gpu_matches_reference_and_transformers(llama_dir, hf_cuda):
+    from test_quantization import logit_error, prefill_logits
+
+    ids, want, want_logits = hf_cuda
+    reference = tokens(make_llm(llama_dir, attention_backend="reference").generate(ids, GREEDY, use_tqdm=False))
+    llm = make_llm(llama_dir, attention_backend="triton")
+    assert captures(llm)  # the default: decodes replay graphs
+    assert tokens(llm.generate(ids, GREEDY, use_tqdm=False)) == reference == want
+    max_abs, _ = logit_error([g.cpu() for g in prefill_logits(llm, ids)], want_logits)
+    assert max_abs < 1e-4, max_abs  # its dots are IEEE float32, not TF32
+
+
+def test_triton_in_bfloat16_on_the_gpu_stays_near_float32(llama_dir, hf_cuda):
+    from test_quantization import logit_error, prefill_logits
+
+    ids, want, want_logits = hf_cuda
+    llm = make_llm(llama_dir, dtype="bfloat16", attention_backend="triton")
+    max_abs, kl = logit_error([g.float().cpu() for g in prefill_logits(llm, ids)], want_logits)
+    assert max_abs < 0.15 and kl < 2e-3, (max_abs, kl)
+    got = tokens(llm.generate(ids, GREEDY, use_tqdm=False))  # decodes through the graphs, 16-bit KV
+    assert [t[0] for t in got] == [t[0] for t in want] and all(len(t) == GREEDY.max_tokens for t in got)
+
+
+def test_cuda_graphs_give_the_eager_tokens_also_for_padded_batches(llama_dir, hf_cuda):
+    """Default graph sizes against none. 3 and 5 prompts decode padded to the graphs of 4 and 8,
+    and as requests of different lengths finish, the batch shrinks through 4, 2 and 1."""
+    ids = hf_cuda[0]
+    graphed = make_llm(llama_dir, attention_backend="triton")
+    eager = make_llm(llama_dir, attention_backend="triton", cuda_graph_sizes=[])
+    assert captures(graphed) and graph_runner(eager) == eager.engine.runner._forward
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (16, 9, 12, 5, 14)]
+    for n in (1, 3, 5):
+        want = tokens(eager.generate(ids[:n], params[:n], use_tqdm=False))
+        assert tokens(graphed.generate(ids[:n], params[:n], use_tqdm=False)) == want, f"{n} prompts"
+    assert {1, 2, 4, 8} <= set(graph_runner(graphed).replays), graph_runner(graphed).replays
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8_e4m3"])
+def test_every_backend_and_graph_mode_give_the_same_tokens(llama_dir, hf_cuda, kv_cache_dtype):
+    """reference, paged and triton, graphs on and off, in float32: the same greedy tokens, with
+    an fp8 cache too (each backend writes the same e4m3 bits and reads them in float32). In 16
+    bits their roundings differ and random-weight continuations drift apart, which is why 16-bit
+    runs compare logits and first tokens (above). compile off and max_num_seqs 8 (graphs of 1,
+    2, 4, 8) keep the 6 engines per case quick; only triton captures, paged and reference run
+    eagerly whatever cuda_graph_sizes says."""
+    ids = hf_cuda[0]
+    got = {}
+    for backend in BACKENDS:
+        for graphs in (True, False):
+            llm = make_llm(llama_dir, attention_backend=backend, kv_cache_dtype=kv_cache_dtype, compile="off",
+                           max_num_seqs=8, cuda_graph_sizes=None if graphs else [])
+            assert captures(llm) == (graphs and backend == "triton"), (backend, graphs)
+            got[backend, graphs] = tokens(llm.generate(ids, GREEDY, use_tqdm=False))
+    want = got["reference", False]
+    assert all(t == want for t in got.values()), {key: t == want for key, t in got.items()}
+
+
+def test_triton_decodes_replay_their_graph_and_paged_runs_eagerly(llama_dir, hf_cuda, caplog):
+    import logging
+
+    ids = hf_cuda[0]
+    llm = make_llm(llama_dir, attention_backend="triton")
+    graphs = graph_runner(llm)
+    assert captures(llm), graphs
+    assert graphs.sizes == [1, 2, 4, *range(8, 129, 8)]  # the defaults, up to max_num_seqs 128
+    replays, eager_steps = dict(graphs.replays), graphs.eager_steps
+    llm.generate(ids[:3], GREEDY, use_tqdm=False)
+    # One prefill step, eager; then every decode step of the 3 sequences is the graph of 4.
+    assert graphs.replays[4] - replays.get(4, 0) == GREEDY.max_tokens - 1, graphs.replays
+    assert sum(graphs.replays.values()) - sum(replays.values()) == GREEDY.max_tokens - 1, graphs.replays
+    assert graphs.eager_steps - eager_steps == 1
+    with caplog.at_level(logging.INFO, logger="modserve"):
+        paged = make_llm(llama_dir, attention_backend="paged")
+    assert graph_runner(paged) == paged.engine.runner._forward
+    assert "cuda graphs: off" in caplog.text and "cannot be captured" in caplog.text, caplog.text
+    assert tokens(paged.generate(ids[:3], GREEDY, use_tqdm=False)) == hf_cuda[1][:3]
