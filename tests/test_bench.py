@@ -162,6 +162,39 @@ def test_plan_llama3_70b_by_hand(capsys):
     assert out["kv_bytes_per_token"] == 327680 and round(out["decode_ceiling_tok_s"]) == 47
 
 
+SHAPES = Path(__file__).parent.parent / "configs" / "shapes"
+
+
+def test_plan_moe_by_hand(capsys):
+    """Mixtral-8x7B: 46.7 B parameters, 12.9 B active (Mistral AI's figures); Qwen1.5-MoE-A2.7B:
+    14.3 B and 2.7 B with its shared expert (Qwen's)."""
+    shape = plan.ModelShape.load(SHAPES / "mixtral-8x7b.json")
+    attn = 4096 * 4096 * 2 + 2 * 4096 * 1024
+    expert = 3 * 4096 * 14336
+    embeddings, norms = 2 * 32000 * 4096, 2 * 4096
+    assert shape.num_params == 32 * (attn + 4096 * 8 + 8 * expert + norms) + embeddings + 4096
+    assert shape.active_params == 32 * (attn + 4096 * 8 + 2 * expert + norms) + embeddings + 4096
+    assert round(shape.num_params / 1e8) == 467 and round(shape.active_params / 1e8) == 129
+    # experts hit by a batch of B: 8 (1 - (6/8)^B); under half an expert idle from B = 10
+    assert shape.experts_hit(1) == pytest.approx(2) and shape.experts_hit(9) == pytest.approx(8 * (1 - 0.75**9))
+    assert 8 * 0.75**9 > 0.5 > 8 * 0.75**10 and shape.all_experts_batch == 10
+
+    p = plan.plan(shape, plan.HARDWARE["h200"], dtype="bfloat16")
+    assert p.weight_bytes == shape.num_params * 2  # every expert is held
+    assert p.active_weight_bytes == pytest.approx(shape.active_params * 2)  # one token reads its two
+    assert p.decode_ceiling_tok_s == pytest.approx(4.8e12 / (shape.active_params * 2))
+
+    qwen = plan.ModelShape.load(SHAPES / "qwen1.5-moe-a2.7b.json")
+    assert round(qwen.num_params / 1e8) == 143 and round(qwen.active_params / 1e8) == 27
+    assert main(["plan", "--model", str(SHAPES / "qwen1.5-moe-a2.7b.json"), "--hardware", "h200"]) == 0
+    out = capsys.readouterr().out
+    assert "60 experts, top 4, in 24 of 24 layers, a shared expert: 2.689 B active of 14.316 B" in out
+    assert "every expert    hit from batch 70" in out
+
+    dense = plan.ModelShape.load(LLAMA3_70B)
+    assert dense.active_params == dense.num_params and plan.plan(dense, plan.HARDWARE["h100"]).experts is None
+
+
 # -- offline benchmarks ------------------------------------------------------------------------------
 def test_bench_throughput_with_hf_baseline(llama_dir, tmp_path, capsys):
     out_json = tmp_path / "tput.json"

@@ -27,8 +27,19 @@ Pipeline parallelism (``pipeline``): layers split into pp stages; each stage bou
 the residual stream, hidden x activation bytes per token; with m micro-batches in flight a
 simple (GPipe-like) schedule idles a fraction (pp - 1) / (m + pp - 1) of each device's time.
 
-Dense Llama-family models only (no mixture of experts). Datasheet figures are dense
-(no sparsity) tensor-core rates and HBM bandwidths of the SXM parts, decimal units.
+Mixture of experts (Mixtral, Qwen2-MoE, Qwen3-MoE): a MoE layer holds E experts of
+``moe_intermediate`` (and a shared expert, for Qwen2-MoE) and routes each token to k of them:
+
+- total parameters count every expert; active parameters per token count k of them
+- single-stream decode ceiling = bandwidth / (active weight bytes + context x KV bytes per
+  token): a step of one token reads only the experts it is routed to
+- a decode step of B tokens reads E (1 - (1 - k/E)^B) distinct experts per layer on average
+  (uniform routing); every expert is hit from the batch where fewer than half an expert is
+  expected idle: B > ln(0.5 / E) / ln(1 - k/E). From there a step reads all the weights
+- the compute-bound batch takes the active FLOPs per token against all weights read
+
+Datasheet figures are dense (no sparsity) tensor-core rates and HBM bandwidths of the SXM
+parts, decimal units.
 """
 
 from __future__ import annotations
@@ -82,18 +93,27 @@ class ModelShape:
     tie_word_embeddings: bool = False
     attention_bias: bool = False
     dtype: str = "bfloat16"
+    # Mixture of experts (0: dense): experts per MoE layer, routed per token, each one's size,
+    # the shared expert's size (0: none), how many of the layers are MoE layers.
+    num_experts: int = 0
+    experts_per_token: int = 0
+    moe_intermediate_size: int = 0
+    shared_expert_intermediate_size: int = 0
+    num_moe_layers: int = 0
 
     @classmethod
     def from_config(cls, cfg: dict[str, Any]) -> "ModelShape":
         heads = cfg["num_attention_heads"]
         dtype = normalize_dtype(cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16")
+        model_type = cfg.get("model_type", "")
         return cls(
             num_layers=cfg["num_hidden_layers"], hidden_size=cfg["hidden_size"], num_heads=heads,
             num_kv_heads=cfg.get("num_key_value_heads") or heads,
             head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
             intermediate_size=cfg["intermediate_size"], vocab_size=cfg["vocab_size"],
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            attention_bias=bool(cfg.get("attention_bias", cfg.get("model_type") == "qwen2")), dtype=dtype)
+            attention_bias=bool(cfg.get("attention_bias", model_type in ("qwen2", "qwen2_moe"))), dtype=dtype,
+            **_moe_shape(cfg))
 
     @classmethod
     def load(cls, path: str | Path) -> "ModelShape":
@@ -106,15 +126,70 @@ class ModelShape:
 
     @property
     def params_per_layer(self) -> int:
+        """Averaged over the layers (MoE and dense ones alike), every expert counted."""
+        return self._params_per_layer(self.num_experts)
+
+    @property
+    def active_params_per_layer(self) -> int:
+        """What one token reads: ``experts_per_token`` of a MoE layer's experts."""
+        return self._params_per_layer(self.experts_per_token)
+
+    def _params_per_layer(self, experts: int) -> int:
         h, q, kv = self.hidden_size, self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         attn = h * q + 2 * h * kv + q * h + (q + 2 * kv if self.attention_bias else 0)
-        mlp = 3 * h * self.intermediate_size  # gate, up, down
-        return attn + mlp + 2 * h  # two RMSNorms
+        dense_mlp = 3 * h * self.intermediate_size  # gate, up, down
+        moe_mlp = (h * self.num_experts  # the router
+                   + experts * 3 * h * self.moe_intermediate_size
+                   + (3 * h * self.shared_expert_intermediate_size + h if self.shared_expert_intermediate_size else 0))
+        moe = self.num_moe_layers
+        mlps = (moe * moe_mlp + (self.num_layers - moe) * dense_mlp) // self.num_layers
+        return attn + mlps + 2 * h  # two RMSNorms
 
     @property
     def num_params(self) -> int:
+        return self._num_params(self.params_per_layer)
+
+    @property
+    def active_params(self) -> int:
+        """Parameters one token's forward uses (all of them for a dense model)."""
+        return self._num_params(self.active_params_per_layer)
+
+    def _num_params(self, per_layer: int) -> int:
         embeddings = self.vocab_size * self.hidden_size * (1 if self.tie_word_embeddings else 2)
-        return self.num_layers * self.params_per_layer + embeddings + self.hidden_size  # final norm
+        return self.num_layers * per_layer + embeddings + self.hidden_size  # final norm
+
+    def experts_hit(self, batch: int) -> float:
+        """Distinct experts a step of ``batch`` tokens reads per MoE layer, on average, if each
+        token picks its ``experts_per_token`` uniformly."""
+        e, k = self.num_experts, self.experts_per_token
+        return e * (1 - (1 - k / e) ** batch) if e else 0.0
+
+    @property
+    def all_experts_batch(self) -> int:
+        """The smallest batch at which fewer than half an expert per layer is expected idle."""
+        e, k = self.num_experts, self.experts_per_token
+        if not e:
+            return 0
+        if k >= e:
+            return 1
+        return math.floor(math.log(0.5 / e) / math.log(1 - k / e)) + 1
+
+
+def _moe_shape(cfg: dict[str, Any]) -> dict[str, int]:
+    """The MoE fields of :class:`ModelShape` from a Mixtral, Qwen2-MoE or Qwen3-MoE config."""
+    experts = cfg.get("num_local_experts") or cfg.get("num_experts") or 0
+    if not experts:
+        return {}
+    layers = cfg["num_hidden_layers"]
+    if "num_local_experts" in cfg:  # Mixtral: every layer, intermediate_size is each expert's
+        moe_layers, size = layers, cfg["intermediate_size"]
+    else:  # Qwen2-MoE, Qwen3-MoE: every decoder_sparse_step-th layer not in mlp_only_layers
+        step, dense = cfg.get("decoder_sparse_step", 1) or 1, set(cfg.get("mlp_only_layers") or ())
+        moe_layers = sum(1 for i in range(layers) if i not in dense and (i + 1) % step == 0)
+        size = cfg["moe_intermediate_size"]
+    return {"num_experts": experts, "experts_per_token": cfg["num_experts_per_tok"], "moe_intermediate_size": size,
+            "shared_expert_intermediate_size": cfg.get("shared_expert_intermediate_size") or 0,
+            "num_moe_layers": moe_layers}
 
 
 @dataclass(frozen=True, slots=True)
@@ -135,14 +210,26 @@ class Plan:
     bandwidth: float
     flops: float
     quantization: str | None = None  # weight_bytes from the quantizer's own layout
+    # Mixture of experts: parameters a token uses, the weight bytes a single-stream step reads,
+    # "E experts, top k", the batch from which every expert is hit. None / 0 for dense models.
+    active_params: int | None = None
+    active_weight_bytes: float | None = None
+    experts: str | None = None
+    all_experts_batch: int = 0
 
     def lines(self) -> list[str]:
         batch = ("never: KV reads grow as fast as the math" if math.isinf(self.compute_bound_batch)
                  else f"from batch {self.compute_bound_batch:,.0f}")
+        moe = [] if self.experts is None else [
+            f"experts         {self.experts}: {self.active_params / 1e9:,.3f} B active of "
+            f"{self.num_params / 1e9:,.3f} B; a token reads {self.active_weight_bytes / 2**30:,.2f} GiB per device",
+            f"every expert    hit from batch {self.all_experts_batch:,} (uniform routing; then a step reads "
+            f"all the weights)"]
         return [
             f"hardware        {self.hardware} x{self.tp}: {self.bandwidth / 1e9:,.1f} GB/s, "
             f"{self.flops / 1e12:,.2f} TFLOP/s for {self.dtype} weights, per device",
             f"parameters      {self.num_params / 1e9:,.3f} B",
+            *moe,
             f"weights         {self.weight_bytes / 2**30:,.2f} GiB per device ("
             + (f"{self.quantization} linears, {self.dtype} elsewhere)" if self.quantization else f"{self.dtype})"),
             f"KV per token    {self.kv_bytes_per_token / 2**10:,.1f} KiB per device ({self.kv_dtype})",
@@ -168,19 +255,24 @@ def plan(shape: ModelShape, hw: Hardware, dtype: str | None = None, kv_dtype: st
     quantizer keeps (modserve.core.quantization.planned_weight_bytes)."""
     dtype = normalize_dtype(dtype or shape.dtype)
     kv_dtype = normalize_dtype(kv_dtype or ("bfloat16" if DTYPE_BYTES[dtype] < 2 else dtype))
-    params = shape.num_params
+    params, active = shape.num_params, shape.active_params
     weights = (params * DTYPE_BYTES[dtype] if weight_bytes is None else weight_bytes) / tp
+    read = weights * active / params  # what a step of one token reads: its experts only
     kv_per_token = 2 * shape.num_layers * math.ceil(shape.num_kv_heads / tp) * shape.head_dim * DTYPE_BYTES[kv_dtype]
     budget = max(0.0, hw.memory * memory_fraction - weights)
     flops = hw.flops(dtype)
-    flops_per_token = 2 * params / tp
+    flops_per_token = 2 * active / tp
     denominator = flops_per_token / flops - context_len * kv_per_token / hw.bandwidth
     batch = (weights / hw.bandwidth) / denominator if denominator > 0 else math.inf
     n = 1000
-    prefill_flops = 2 * params * n + 2 * shape.num_layers * shape.num_heads * shape.head_dim * n * n
+    prefill_flops = 2 * active * n + 2 * shape.num_layers * shape.num_heads * shape.head_dim * n * n
+    moe = {} if not shape.num_experts else dict(
+        active_params=active, active_weight_bytes=read, all_experts_batch=shape.all_experts_batch,
+        experts=f"{shape.num_experts} experts, top {shape.experts_per_token}, in {shape.num_moe_layers} of "
+                f"{shape.num_layers} layers" + (", a shared expert" if shape.shared_expert_intermediate_size else ""))
     return Plan(hw.name, tp, dtype, kv_dtype, context_len, params, weights, kv_per_token, budget,
-                int(budget // kv_per_token), hw.bandwidth / (weights + context_len * kv_per_token),
-                batch, prefill_flops / (tp * flops), hw.bandwidth, flops, quantization)
+                int(budget // kv_per_token), hw.bandwidth / (read + context_len * kv_per_token),
+                batch, prefill_flops / (tp * flops), hw.bandwidth, flops, quantization, **moe)
 
 
 def measure_cpu(dtype: str = "float32", seconds: float = 0.5) -> Hardware:
