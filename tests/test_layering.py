@@ -105,7 +105,9 @@ def test_the_check_sees_a_planted_lazy_and_relative_import(tmp_path):
 # execution added its seam to the core (~320 lines: the layers' tensor-parallel splits and
 # collectives, pipeline stages and micro-batches, rank 0's broadcast of each step, starting,
 # joining and stopping the ranks); the offline LLM and the workers' loop moved out for ~150.
-CORE_CODE_BUDGET = 3300
+# 3,300 until the GPU and MoE seams (~40 lines: what a CUDA graph may capture and who captures
+# it, the moe_backend kind the models' experts run through).
+CORE_CODE_BUDGET = 3350
 
 
 def _code_lines(source: str) -> int:

@@ -32,7 +32,8 @@ if TYPE_CHECKING:  # for type checkers and IDEs; at run time each name is import
     from modserve.core.forward_context import attention, forward_context
     from modserve.core.interfaces import (
         AttentionBackend, AttentionMetadata, AttentionSpec, CausalLM, CudaGraphSupport, Executor, FinishedModel,
-        GrammarBackend, GrammarMatcher, GrammarVocab, GraphSettings, KVAllocator, LinearSpec, ModelLoad, Platform, Proposal, Proposer,
+        GrammarBackend, GrammarMatcher, GrammarVocab, GraphSettings, KVAllocator, LinearSpec, ModelLoad, MoEBackend,
+        Platform, Proposal, Proposer,
         ProposerContext, Quantizer, Sampler, SamplerOutput, SamplingBatch, Schedule, Scheduler,
         SchedulerLimits, SchedulerView, StepForward, TensorLayout, WorkerSpec)
     from modserve.core.linear import (
@@ -58,7 +59,7 @@ _WHERE: dict[str, str] = {name: module for module, names in (
     ("modserve.core.forward_context", "attention forward_context"),
     ("modserve.core.interfaces",
      "AttentionBackend AttentionMetadata AttentionSpec CausalLM CudaGraphSupport Executor FinishedModel "
-     "GrammarBackend GrammarMatcher GrammarVocab GraphSettings KVAllocator LinearSpec ModelLoad "
+     "GrammarBackend GrammarMatcher GrammarVocab GraphSettings KVAllocator LinearSpec ModelLoad MoEBackend "
      "Platform Proposal Proposer ProposerContext Quantizer Sampler SamplerOutput "
      "SamplingBatch Schedule Scheduler SchedulerLimits SchedulerView StepForward TensorLayout WorkerSpec"),
     ("modserve.core.linear",
@@ -90,7 +91,8 @@ def __dir__() -> list[str]:
 __all__ = [
     "PLUGIN_API_VERSION", "PluginError", "Register", "hookimpl",
     # contracts, one per kind
-    "AttentionBackend", "CausalLM", "Executor", "GrammarBackend", "GrammarMatcher", "KVAllocator", "Platform",
+    "AttentionBackend", "CausalLM", "Executor", "GrammarBackend", "GrammarMatcher", "KVAllocator", "MoEBackend",
+    "Platform",
     "Proposer", "Quantizer", "Sampler", "Scheduler",
     # the data they receive and return
     "AttentionMetadata", "AttentionSpec", "CudaGraphSupport", "FinishedModel", "GrammarSpec", "GrammarVocab",

@@ -122,6 +122,9 @@ class EngineConfig(BaseModel):
         "one, eager above the largest); default 1, 2, 4, then every 8 up to max_num_seqs; [] captures none "
         "(vLLM's enforce_eager sets [] and compile: off)")
     attention_backend: PluginChoice = Field(PluginChoice(name="paged"), description="Attention backend plugin")
+    moe_backend: PluginChoice = Field(
+        PluginChoice(name="fused"), description="Mixture-of-experts models: how a layer computes its routed "
+        "experts (fused: tokens sorted by expert, one GEMM per expert; reference: a loop over experts)")
     kv_allocator: PluginChoice = Field(PluginChoice(name="paged"), description="KV block allocator plugin")
     scheduler: PluginChoice = Field(PluginChoice(name="fcfs"), description="Scheduling policy plugin")
     sampler: PluginChoice = Field(PluginChoice(name="default"), description="Sampler plugin")

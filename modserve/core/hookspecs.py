@@ -96,6 +96,12 @@ def register_executors(register: Register) -> None:
     beyond the engine's own get processes (``distributed_executor_backend: mp``, ``ray``)."""
 
 
+@hookspec
+def register_moe_backends(register: Register) -> None:
+    """Register :class:`~modserve.core.interfaces.MoEBackend` classes: how a mixture-of-experts
+    layer computes its routed experts (``moe_backend: reference``, ``fused``)."""
+
+
 # kind -> hook name; the registry's single source of the kinds.
 KIND_HOOKS: dict[str, str] = {
     "attention_backend": "register_attention_backends",
@@ -108,4 +114,5 @@ KIND_HOOKS: dict[str, str] = {
     "model_architecture": "register_model_architectures",
     "platform": "register_platforms",
     "executor": "register_executors",
+    "moe_backend": "register_moe_backends",
 }

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from modserve.core.interfaces import LinearSpec, Quantizer, TensorLayout
+from modserve.core.interfaces import LinearSpec, MoEBackend, Quantizer, TensorLayout
 from modserve.core.parallel import TensorParallel
 from modserve.core.plugin_calls import quantized_apply
 
@@ -181,13 +181,14 @@ class LinearFactory:
 
     def __init__(self, quantizer: Quantizer | None, dtype: torch.dtype, device: torch.device | str,
                  float_method: Unquantized | None = None, tp: TensorParallel = TensorParallel(),
-                 layers: range | None = None) -> None:
+                 layers: range | None = None, moe_backend: MoEBackend | None = None) -> None:
         self.float_method = float_method or Unquantized()
         self.quantizer = quantizer or self.float_method
         self.dtype = dtype
         self.device = torch.device(device)
         self.tp = tp  # models read tp.size to size their heads
         self.layers = layers  # the decoder layers this pipeline stage builds; None: all
+        self.moe_backend = moe_backend  # how a mixture-of-experts layer runs its experts (moe_backend:)
 
     def __call__(self, in_features: int, out_features: int, *, bias: bool = False,
                  shard_sizes: tuple[int, ...] | None = None, parallel: str | None = None,
