@@ -262,8 +262,31 @@ def cmd_throughput(args: argparse.Namespace) -> int:
         print(_ratio_line(figures, runner.name, "output tok/s"))
         label = f"hf (batch {args.hf_batch_size})" if runner.name == "hf" else runner.name
         print(_agreement_line(runs, runner.name, label))
+    if load := llm.engine.runner.expert_load():
+        print("\n".join(expert_load_lines(load)))
+        figures["expert_load"] = expert_load_figures(load)  # type: ignore[assignment]
     _write_json(output_path(args, "throughput"), figures)
     return 0
+
+
+def expert_load_figures(load: dict[int, list[int]]) -> dict[str, Any]:
+    """Per MoE layer: tokens routed to each expert (over every run and warm-up), the imbalance
+    (the hottest expert over the mean) and the hottest expert."""
+    from modserve.server.metrics import imbalance
+
+    return {str(layer): {"tokens": counts, "imbalance": round(imbalance(counts), 3),
+                         "hottest": max(range(len(counts)), key=counts.__getitem__)}
+            for layer, counts in sorted(load.items())}
+
+
+def expert_load_lines(load: dict[int, list[int]]) -> list[str]:
+    lines = ["expert load (tokens routed per expert over every run; imbalance = hottest / mean):"]
+    for layer, f in expert_load_figures(load).items():
+        total = sum(f["tokens"]) or 1
+        lines.append(f"  layer {layer}: imbalance {f['imbalance']:.2f}, hottest expert {f['hottest']} "
+                     f"({100 * f['tokens'][f['hottest']] / total:.1f}% of routed tokens), "
+                     f"idle experts {sum(1 for n in f['tokens'] if n == 0)} of {len(f['tokens'])}")
+    return lines
 
 
 def cmd_latency(args: argparse.Namespace) -> int:

@@ -541,6 +541,7 @@ class LLMEngine:
             **{f"allocator_{k}": v for k, v in self.allocator.stats().items()},
             "weight_bytes": self.runner.weight_bytes,  # as allocated, quantized or not
             "kv_cache_bytes": sum(c.numel() * c.element_size() for c in self.runner.kv_caches),
+            **({"expert_tokens": load} if (load := self.runner.expert_load()) else {}),
         }
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import itertools
 import logging
+import re
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -156,7 +157,7 @@ class ModelRunner:
         model_cls = registry.load("model_architecture", archs[0])
         self.quantizer = select_quantizer(self.config.quantization, self.hf_config, registry)
         make_linear = linear_factory(self.quantizer, self.dtype, self.device, self.platform.linear_method(), self.tp,
-                                     self.layers)
+                                     self.layers, registry.create("moe_backend", self.config.moe_backend))
         with torch.device("meta"), default_dtype(self.dtype):
             model = model_cls(self.hf_config, self.attn, max_model_len, make_linear=make_linear)
         model = model.to_empty(device=self.device)
@@ -195,6 +196,12 @@ class ModelRunner:
             self.attn_spec.k_scale, self.attn_spec.v_scale = max(scales["k_scale"]), max(scales["v_scale"])
             logger.info("KV cache scales from the checkpoint: k %g, v %g",
                         self.attn_spec.k_scale, self.attn_spec.v_scale)
+
+    def expert_load(self) -> dict[int, list[int]]:
+        """Mixture-of-experts models: tokens routed to each expert so far, per layer of this
+        stage (a model's ``expert_tokens`` buffers, ``[E]`` each); empty for a dense model."""
+        return {int(re.search(r"\d+", name)[0]): buf.tolist() for name, buf in self.model.named_buffers()
+                if name.endswith("expert_tokens") and re.search(r"\d+", name)}
 
     # -- KV cache -----------------------------------------------------------------
     def kv_bytes_per_block(self) -> int:

@@ -66,9 +66,31 @@ class EngineStatsCollector(Collector):
         yield GaugeMetricFamily("modserve_kv_blocks_used", "KV cache blocks in use", value=float(_used(stats)))
         for name, key, doc in _COUNTERS:
             yield CounterMetricFamily(name, doc, value=float(stats.get(key, 0)))
+        if stats.get("expert_tokens"):
+            yield from _expert_load(stats["expert_tokens"])
         replicas = stats.get("replicas")
         if replicas:
             yield from _per_replica(replicas, stats.get("routing") or {})
+
+
+def imbalance(counts: list[int]) -> float:
+    """The hottest expert's tokens over the mean (1: even; E: one expert took every token)."""
+    mean = sum(counts) / len(counts) if counts else 0
+    return max(counts) / mean if mean else 0.0
+
+
+def _expert_load(load: dict[int, list[int]]) -> Iterator[Metric]:
+    """Mixture-of-experts models: tokens routed to each expert of each layer, and how uneven."""
+    tokens = CounterMetricFamily("modserve_moe_expert_tokens", "Tokens routed to each expert of each MoE layer "
+                                 "(a token counts once for each of its top-k experts)", labels=["layer", "expert"])
+    uneven = GaugeMetricFamily("modserve_moe_expert_imbalance", "The hottest expert's routed tokens over the mean, "
+                               "per MoE layer (1: even)", labels=["layer"])
+    for layer, counts in sorted(load.items()):
+        for expert, n in enumerate(counts):
+            tokens.add_metric([str(layer), str(expert)], float(n))
+        uneven.add_metric([str(layer)], imbalance(counts))
+    yield tokens
+    yield uneven
 
 
 def _used(stats: dict[str, Any]) -> float:

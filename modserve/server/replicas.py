@@ -334,6 +334,10 @@ def sum_stats(per: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
         for key, value in stats.items():
             if isinstance(value, (int, float)) and not isinstance(value, bool):
                 total[key] = total.get(key, 0) + value
+            elif key == "expert_tokens":  # {layer: [tokens per expert]}, summed expert by expert
+                mine = total.setdefault(key, {})
+                for layer, counts in value.items():
+                    mine[layer] = [a + b for a, b in zip(mine.get(layer, [0] * len(counts)), counts)]
     if total.get("kv_blocks_total"):
         total["kv_usage"] = 1.0 - total.get("kv_blocks_free", 0) / total["kv_blocks_total"]
     return total

@@ -24,7 +24,7 @@ import torch
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerFast
 
-ARCHITECTURES = ("llama", "mistral", "qwen2")
+ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe")
 PRESETS: dict[str, dict[str, Any]] = {
     "tiny": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2, intermediate_size=128, vocab_size=4096),
@@ -32,6 +32,27 @@ PRESETS: dict[str, dict[str, Any]] = {
     "small": dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12,
                   num_key_value_heads=4, intermediate_size=2048, vocab_size=8192),
 }
+# Per (arch, preset): what the preset alone doesn't give an architecture, applied over it.
+# The MoE ones: several layers so both layer kinds appear (qwen2_moe every 2nd layer sparse,
+# qwen3_moe all but mlp_only_layers), expert counts not divisible by 3, renormalized top-k
+# in mixtral and qwen3_moe but not in qwen2_moe.
+ARCH_PRESETS: dict[tuple[str, str], dict[str, Any]] = {
+    ("qwen3", "tiny"): dict(num_hidden_layers=3, head_dim=32),  # 4 x 32 query dims over hidden 64
+    ("mixtral", "tiny"): dict(num_hidden_layers=3, num_local_experts=8, num_experts_per_tok=2,
+                              intermediate_size=48),
+    # Mixtral-8x7B's shape at 1/8 of its width and 1/8 of its depth (8 experts of 1792, top 2,
+    # 4:1 GQA): ~95M parameters, ~29M active per token; for benchmarks, not the unit tests.
+    ("mixtral", "small"): dict(hidden_size=512, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2,
+                               intermediate_size=1792, num_local_experts=8, num_experts_per_tok=2),
+    ("qwen2_moe", "tiny"): dict(num_hidden_layers=4, num_experts=10, num_experts_per_tok=3,
+                                moe_intermediate_size=32, shared_expert_intermediate_size=48,
+                                decoder_sparse_step=2, norm_topk_prob=False),
+    ("qwen3_moe", "tiny"): dict(num_hidden_layers=4, head_dim=24, num_experts=8, num_experts_per_tok=2,
+                                moe_intermediate_size=32, decoder_sparse_step=1, mlp_only_layers=[0],
+                                norm_topk_prob=True),
+}
+QWEN2_TOKENIZER_ARCHS = ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe")  # transformers 5 gives these Qwen2Tokenizer
+ROUTER_STD = 0.2  # routers drawn wider than the rest: clear top-k choices, no near-ties
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")  # ids 0, 1, 2
 CHATML_TEMPLATE = (  # raw: the saved template keeps jinja's own '\n' escapes
     r"{% for message in messages %}"
@@ -147,7 +168,7 @@ def make_tokenizer(vocab_size: int, arch: str = "llama") -> PreTrainedTokenizerF
     from transformers import PreTrainedTokenizerFast
 
     return PreTrainedTokenizerFast(
-        tokenizer_object=Tokenizer.from_str(_tokenizer_json(vocab_size, arch == "qwen2")),
+        tokenizer_object=Tokenizer.from_str(_tokenizer_json(vocab_size, arch in QWEN2_TOKENIZER_ARCHS)),
         eos_token="<|im_end|>", pad_token="<|endoftext|>",
         additional_special_tokens=[SPECIAL_TOKENS[1]], chat_template=CHATML_TEMPLATE,
         model_max_length=2048, clean_up_tokenization_spaces=False)
@@ -169,13 +190,17 @@ def make_checkpoint(out_dir: str | os.PathLike, arch: str = "llama", preset: str
         if value not in known:
             raise ValueError(f"unknown {value!r}; expected one of {tuple(known)}")
     out = Path(out_dir)
-    cfg: dict[str, Any] = {**PRESETS[preset], **config_overrides}
+    cfg: dict[str, Any] = {**PRESETS[preset], **ARCH_PRESETS.get((arch, preset), {}), **config_overrides}
     tokenizer = make_tokenizer(cfg["vocab_size"], arch)
     ids = {"bos_token_id": tokenizer.convert_tokens_to_ids("<|endoftext|>"),  # as Qwen2 does
            "eos_token_id": tokenizer.eos_token_id, "pad_token_id": tokenizer.pad_token_id}
     per_arch = {"llama": (tf.LlamaConfig, dict(tie_word_embeddings=False)),
                 "mistral": (tf.MistralConfig, dict(tie_word_embeddings=False, sliding_window=None)),
-                "qwen2": (tf.Qwen2Config, dict(tie_word_embeddings=True))}
+                "qwen2": (tf.Qwen2Config, dict(tie_word_embeddings=True)),
+                "qwen3": (tf.Qwen3Config, dict(tie_word_embeddings=True)),
+                "mixtral": (tf.MixtralConfig, dict(tie_word_embeddings=False, sliding_window=None)),
+                "qwen2_moe": (tf.Qwen2MoeConfig, dict(tie_word_embeddings=False)),
+                "qwen3_moe": (tf.Qwen3MoeConfig, dict(tie_word_embeddings=False))}
     config_cls, arch_kwargs = per_arch[arch]
     config = config_cls(**{"max_position_embeddings": 2048, **arch_kwargs, **ids, **cfg})
 
@@ -187,7 +212,8 @@ def make_checkpoint(out_dir: str | os.PathLike, arch: str = "llama", preset: str
             # 2-D and biases: N(0, 0.05), larger than default init so logits aren't flat;
             # norm weights: around 1 so a mis-loaded norm is detectable.
             is_norm = p.ndim == 1 and not name.endswith(".bias")
-            p.normal_(1.0 if is_norm else 0.0, 0.05, generator=gen)
+            std = ROUTER_STD if name.endswith(".mlp.gate.weight") else 0.05  # a MoE layer's router
+            p.normal_(1.0 if is_norm else 0.0, std, generator=gen)
             if name == "model.norm.weight" and config.tie_word_embeddings:
                 # Tied random models logit-boost the input token (its embedding sits in the
                 # residual stream), so greedy decoding repeats one token forever; random

@@ -101,7 +101,9 @@ class Attention(nn.Module):
         kv_replicas = max(1, tp.size // kv_heads)
         self.num_heads = tp.part(heads)[1]  # this rank's
         self.num_kv_heads = tp.part(kv_heads, kv_replicas)[1]
-        bias = bool(getattr(config, "attention_bias", False)) or config.model_type == "qwen2"
+        # Qwen2 has q/k/v bias without saying so; Qwen2-MoE says so as qkv_bias.
+        bias = (bool(getattr(config, "attention_bias", False)) or bool(getattr(config, "qkv_bias", False))
+                or config.model_type == "qwen2")
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         q, kv = heads * self.head_dim, kv_heads * self.head_dim  # the checkpoint's
@@ -118,14 +120,19 @@ class Attention(nn.Module):
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
+        q, k = self.norm_heads(q, k)
         q, k = rope(positions, q, k)
         return q, k, v
 
+    def norm_heads(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Before RoPE, per head (Qwen3's q/k norm); Llama: none."""
+        return q, k
+
 
 class MLP(nn.Module):
-    def __init__(self, config: Any, make_linear: LinearFactory) -> None:
+    def __init__(self, config: Any, make_linear: LinearFactory, intermediate_size: int | None = None) -> None:
         super().__init__()
-        full = config.intermediate_size
+        full = intermediate_size or config.intermediate_size  # another size: a MoE model's dense or shared MLP
         self.intermediate = make_linear.tp.part(full)[1]  # this rank's
         self.gate_up_proj = make_linear(config.hidden_size, 2 * full, shard_sizes=(full, full), parallel="column")
         self.down_proj = make_linear(full, config.hidden_size, parallel="row")
@@ -141,10 +148,17 @@ class DecoderLayer(nn.Module):
     def __init__(self, config: Any, index: int, make_linear: LinearFactory) -> None:
         super().__init__()
         self.index = index
-        self.self_attn = Attention(config, make_linear)
-        self.mlp = MLP(config, make_linear)
+        self.self_attn = self.make_attention(config, make_linear)
+        self.mlp = self.make_mlp(config, make_linear)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def make_attention(self, config: Any, make_linear: LinearFactory) -> Attention:
+        return Attention(config, make_linear)
+
+    def make_mlp(self, config: Any, make_linear: LinearFactory) -> nn.Module:
+        """The feed-forward block of layer ``self.index``: ``[T, hidden] -> [T, hidden]``."""
+        return MLP(config, make_linear)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding) -> torch.Tensor:
         q, k, v = self.self_attn.project(self.input_layernorm(x), positions, rope)
@@ -159,6 +173,7 @@ class LlamaForCausalLM(CausalLM):
         "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
         "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
     }
+    LAYER: type[DecoderLayer] = DecoderLayer  # a subclass's own decoder layer
 
     def __init__(self, config: Any, backend: AttentionBackend, max_positions: int,
                  make_linear: LinearFactory | None = None) -> None:
@@ -171,7 +186,7 @@ class LlamaForCausalLM(CausalLM):
         num_layers = config.num_hidden_layers
         self.stage = make_linear.layers or range(num_layers)
         self.last_stage = self.stage.stop == num_layers
-        self.layers = nn.ModuleList(DecoderLayer(config, i, make_linear) if i in self.stage else nn.Identity()
+        self.layers = nn.ModuleList(self.LAYER(config, i, make_linear) if i in self.stage else nn.Identity()
                                     for i in range(num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.tie = bool(getattr(config, "tie_word_embeddings", False))
@@ -221,14 +236,13 @@ class LlamaForCausalLM(CausalLM):
         # The embedding and the LM head take their rank's rows of the vocabulary themselves.
         vocab = {"embed_tokens.weight": self.embed_tokens, "lm_head.weight": self.lm_head}
         loaded: set[str] = set()
-        for name, tensor in weights:
+        for name, tensor in self.checkpoint_tensors(weights):
             name = name.removeprefix("model.")
             if "rotary_emb" in name or (self.tie and name.startswith("lm_head.")) or not self._in_stage(name):
                 continue
             module, _, leaf = name.rpartition(".")
-            parent, _, child = module.rpartition(".")
-            target, shard = self.STACKED.get(child, (child, 0))
-            linear = linears.get(f"{parent}.{target}")
+            target, shard = self.locate(module)
+            linear = linears.get(target)
             if linear is not None:
                 linear.load(leaf, tensor, shard)
                 continue
@@ -244,6 +258,17 @@ class LlamaForCausalLM(CausalLM):
         if missing:
             raise ValueError(f"checkpoint is missing tensors for: {sorted(missing)[:8]}")
 
+    def checkpoint_tensors(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterable[tuple[str, torch.Tensor]]:
+        """The checkpoint's tensors as ``load_weights`` takes them (a subclass renames or splits
+        some: a MoE model its experts'); here, as they are."""
+        return weights
+
+    def locate(self, module: str) -> tuple[str, int]:
+        """The linear a checkpoint module's tensors go to, and which output shard of it:
+        ``layers.0.self_attn.k_proj`` -> (``layers.0.self_attn.qkv_proj``, 1)."""
+        parent, _, child = module.rpartition(".")
+        target, shard = self.STACKED.get(child, (child, 0))
+        return f"{parent}.{target}", shard
 
     def _in_stage(self, name: str) -> bool:
         """False for a tensor of a decoder layer another pipeline stage holds."""

@@ -1,0 +1,150 @@
+"""Mixture-of-experts pieces: the routed experts, the sparse block that routes tokens to
+them, and a Llama-family model base that loads either checkpoint layout of the experts.
+
+The experts are per-expert ``Linear``s from ``make_linear`` (gate|up fused, down), so a
+quantizer applies to each expert as to any projection, and tensor parallelism splits each
+expert's intermediate dimension like the dense MLP's. How the routed tokens meet their
+experts is the engine's MoE backend's business (``make_linear.moe_backend``).
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Iterable, Iterator
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from modserve.api import LinearFactory, MoEBackend, linear_factory
+from modserve.plugins.models.llama import MLP, LlamaForCausalLM
+
+
+class Experts(nn.Module):
+    """``num_experts`` SwiGLU MLPs: ``gate_up[e]`` ``[hidden -> 2I]`` (column-parallel, the
+    gate and up shards), ``down[e]`` ``[I -> hidden]`` (row-parallel)."""
+
+    def __init__(self, num_experts: int, hidden: int, intermediate: int, make_linear: LinearFactory) -> None:
+        super().__init__()
+        i = intermediate
+        self.gate_up = nn.ModuleList(make_linear(hidden, 2 * i, shard_sizes=(i, i), parallel="column")
+                                     for _ in range(num_experts))
+        self.down = nn.ModuleList(make_linear(i, hidden, parallel="row") for _ in range(num_experts))
+
+
+def route(logits: torch.Tensor, top_k: int, renormalize: bool,
+          round_to: torch.dtype | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Router logits ``[T, E]`` -> (expert ids ``[T, K]`` int64, weights ``[T, K]`` float32).
+
+    The softmax is taken in float32 whatever the model's dtype (transformers does the same:
+    in bfloat16 near-equal probabilities would tie and pick other experts). ``round_to``: the
+    Qwen MoE models cast the weights to the model's dtype before weighting; Mixtral doesn't.
+    """
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)  # [T, E]
+    weights, ids = torch.topk(probs, top_k, dim=-1)  # [T, K]
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    if round_to is not None:
+        weights = weights.to(round_to).float()
+    return ids, weights
+
+
+class SparseMoeBlock(nn.Module):
+    """``[T, hidden] -> [T, hidden]``: each token through its top-k experts, weighted, plus
+    (Qwen2-MoE) a shared expert scaled by ``sigmoid(shared_expert_gate(x))``.
+
+    The router and the shared-expert gate stay float and whole on every rank: every rank must
+    pick the same experts, and a few quantized router logits can change which.
+    """
+
+    def __init__(self, config: Any, make_linear: LinearFactory, *, num_experts: int, top_k: int,
+                 intermediate: int, renormalize: bool, round_weights: bool, shared_intermediate: int = 0) -> None:
+        super().__init__()
+        if make_linear.moe_backend is None:
+            raise ValueError("a mixture-of-experts model needs make_linear.moe_backend (config moe_backend:)")
+        self.backend: MoEBackend = make_linear.moe_backend
+        self.top_k, self.renormalize, self.round_weights = top_k, renormalize, round_weights
+        hidden = config.hidden_size
+        float_linear = linear_factory(None, make_linear.dtype, make_linear.device, make_linear.float_method,
+                                      make_linear.tp)
+        self.gate = float_linear(hidden, num_experts)
+        self.experts = Experts(num_experts, hidden, intermediate, make_linear)
+        self.shared_expert = MLP(config, make_linear, shared_intermediate) if shared_intermediate else None
+        self.shared_expert_gate = float_linear(hidden, 1) if shared_intermediate else None
+        # Tokens routed to each expert so far (a token counts once per expert it picks): the
+        # engine's per-expert load figures. Zeroed after loading (the model is built on "meta").
+        self.register_buffer("expert_tokens", torch.zeros(num_experts, dtype=torch.int64), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden]
+        ids, weights = route(self.gate(x), self.top_k, self.renormalize, x.dtype if self.round_weights else None)
+        flat = ids.reshape(-1)  # [T*K]
+        self.expert_tokens.index_add_(0, flat, torch.ones_like(flat))  # NOTE: no host sync (bincount would)
+        out = self.backend.forward(x, ids, weights, self.experts)  # [T, hidden]
+        if self.shared_expert is not None:
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return out
+
+
+def is_sparse_layer(config: Any, index: int) -> bool:
+    """Qwen MoE: layer ``index`` is a sparse block unless ``mlp_only_layers`` lists it or it
+    falls between every ``decoder_sparse_step``-th layer (1-based), as transformers decides."""
+    step = getattr(config, "decoder_sparse_step", 1) or 1
+    only_mlp = getattr(config, "mlp_only_layers", None) or []
+    return index not in only_mlp and config.num_experts > 0 and (index + 1) % step == 0
+
+
+# Mixtral's transformers-4 names: block_sparse_moe.experts.{e}.w1 (gate), w3 (up), w2 (down).
+_MIXTRAL_EXPERT = re.compile(r"\.experts\.(\d+)\.w([123])\.")
+_MIXTRAL_LINEAR = {"1": "gate_proj", "2": "down_proj", "3": "up_proj"}
+_EXPERT_MODULE = re.compile(r"^(.*\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)$")
+
+
+class MoEForCausalLM(LlamaForCausalLM):
+    """A Llama-family model whose layers may hold a :class:`SparseMoeBlock` as ``mlp``.
+
+    Loads both layouts of the experts: transformers 4's per-expert tensors
+    (``mlp.experts.{e}.gate_proj.weight``; Mixtral ``block_sparse_moe.experts.{e}.w1.weight``)
+    and transformers 5's fused ones (``mlp.experts.gate_up_proj`` ``[E, 2I, hidden]``, gate
+    rows first, and ``mlp.experts.down_proj`` ``[E, hidden, I]``), which are split per expert.
+    """
+
+    def checkpoint_tensors(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+        for name, tensor in weights:
+            name = name.replace(".block_sparse_moe.", ".mlp.")
+            name = _MIXTRAL_EXPERT.sub(lambda m: f".experts.{m[1]}.{_MIXTRAL_LINEAR[m[2]]}.", name)
+            prefix, _, leaf = name.rpartition(".")
+            if prefix.endswith(".experts") and leaf == "gate_up_proj":
+                gate, up = tensor.chunk(2, dim=1)  # [E, I, hidden] each
+                for e in range(tensor.shape[0]):
+                    yield f"{prefix}.{e}.gate_proj.weight", gate[e]
+                    yield f"{prefix}.{e}.up_proj.weight", up[e]
+            elif prefix.endswith(".experts") and leaf == "down_proj":
+                for e in range(tensor.shape[0]):
+                    yield f"{prefix}.{e}.down_proj.weight", tensor[e]  # [hidden, I]
+            else:
+                yield name, tensor
+
+    def locate(self, module: str) -> tuple[str, int]:
+        """``layers.1.mlp.experts.3.up_proj`` -> (``layers.1.mlp.experts.gate_up.3``, 1)."""
+        if m := _EXPERT_MODULE.match(module):
+            experts, e, kind = m.groups()
+            if kind == "down_proj":
+                return f"{experts}.down.{e}", 0
+            return f"{experts}.gate_up.{e}", 0 if kind == "gate_proj" else 1
+        return super().locate(module)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        super().load_weights(weights)
+        # NOTE: before the runner's finish_linears (a quantizer's process_weights) runs: a
+        # backend that stacks quantized experts' tensors would see them unprocessed.
+        for i in self.stage:
+            block = self.layers[i].mlp
+            if isinstance(block, SparseMoeBlock):
+                block.backend.prepare(block.experts)
+                block.expert_tokens.zero_()
+
+    def compile_regions(self, compiler: Any) -> bool:
+        """Not compiled: the routing gives each expert a data-dependent number of tokens (and
+        the backends loop over experts on the host), which the compile path's fullgraph
+        tracing cannot take. The engine runs the model eager."""
+        return False

@@ -1,0 +1,257 @@
+"""Qwen3 and the mixture-of-experts models (Mixtral, Qwen2-MoE, Qwen3-MoE) against transformers.
+
+The oracle is transformers on the same random weights in float32: greedy tokens must match
+exactly and prefill logits within 1e-4, with prefix caching on and prompts prefilled in
+chunks, through each MoE backend. Both checkpoint layouts of the experts (transformers 4's
+per-expert tensors, which transformers 5 still writes by default, and transformers 5's fused
+3-D tensors) must load to the same logits.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from modserve import LLM, SamplingParams
+from modserve.core.sequence import Sequence
+
+ARCHS = ["qwen3", "mixtral", "qwen2_moe", "qwen3_moe"]
+MOE_ARCHS = ARCHS[1:]
+NO_FUSED = pytest.mark.skipif(importlib.util.find_spec("modserve.plugins.moe.fused") is None,
+                              reason="the fused MoE backend is not written yet")
+# Qwen3 is dense: the MoE backend doesn't touch it, so it runs once.
+CASES = [pytest.param("qwen3", "reference", id="qwen3")] + [
+    pytest.param(arch, backend, id=f"{arch}-{backend}", marks=[NO_FUSED] if backend == "fused" else [])
+    for arch in MOE_ARCHS for backend in ("reference", "fused")]
+MAX_NEW = 10
+PROMPTS = [
+    "Hello",
+    "The quick brown fox jumps over the lazy dog",
+    "café naïve 日本語 😀 and then",
+    "{\"model\": \"token\", \"cache\": [1, 2, 3]}",
+    "one two three four five six seven eight nine ten eleven twelve thirteen fourteen",
+    "a",
+    "Zürich Kraków Málaga " * 7,
+    "def step(self):\n    return self.queue.pop()\n" * 3,
+]
+# Prefix caching on, block size 4, and a 16-token step budget: the longer prompts are
+# prefilled in chunks, several prompts share a step, and the shared-prefix ones hit the cache.
+ENGINE = dict(dtype="float32", num_kv_blocks=512, block_size=4, max_num_batched_tokens=16,
+              kv_allocator={"name": "paged", "options": {"enable_prefix_caching": True}}, progress=False)
+
+
+@pytest.fixture(scope="module")
+def hf_reference(checkpoint_dir):
+    """Per arch: checkpoint, prompt ids, HF greedy continuations, HF prefill logits."""
+    refs = {}
+    for arch in ARCHS:
+        path = checkpoint_dir(arch)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        tok = AutoTokenizer.from_pretrained(path)
+        ids = [tok.encode(p) for p in PROMPTS]
+        outs, logits = [], []
+        with torch.no_grad():
+            for p in ids:
+                gen = model.generate(torch.tensor([p]), max_new_tokens=MAX_NEW, min_new_tokens=MAX_NEW,
+                                     do_sample=False, pad_token_id=0)
+                outs.append(gen[0, len(p):].tolist())
+                logits.append(model(torch.tensor([p])).logits[0])  # [P, V]
+        refs[arch] = (path, ids, outs, logits)
+    return refs
+
+
+def prefill_logits(llm: LLM, ids: list[list[int]]) -> list[torch.Tensor]:
+    """The model's logits ``[P, V]`` for every prompt, all prompts in one forward."""
+    eng = llm.engine
+    seqs = [Sequence(i, f"r{i}", list(p), len(p), SamplingParams(), 0.0) for i, p in enumerate(ids)]
+    for s in seqs:
+        assert eng.allocator.allocate(s, s.num_tokens)
+    try:
+        runner = eng.runner
+        batch = runner._prepare(seqs, [s.num_tokens for s in seqs])
+        meta = batch.meta
+        with torch.inference_mode():
+            hidden = runner.model(batch.input_ids, meta.positions, runner.kv_caches, meta, runner.attn.prepare(meta))
+            logits = runner.model.compute_logits(hidden)
+        return list(torch.split(logits, [len(p) for p in ids]))
+    finally:
+        for s in seqs:
+            eng.allocator.free(s)
+
+
+@pytest.mark.parametrize("arch,moe_backend", CASES)
+def test_greedy_matches_transformers(hf_reference, arch, moe_backend):
+    path, ids, expected, _ = hf_reference[arch]
+    assert len({len(p) for p in ids}) == len(ids), "prompts should differ in length"
+    llm = LLM(path, moe_backend=moe_backend, **ENGINE)
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
+    outs = llm.generate(ids, params, use_tqdm=False)  # all 8 submitted together
+    assert [o.outputs[0].token_ids for o in outs] == expected
+    assert max(map(len, ids)) > ENGINE["max_num_batched_tokens"], "some prompt must be prefilled in chunks"
+    again = llm.generate(ids, params, use_tqdm=False)  # now from the prefix cache
+    assert [o.outputs[0].token_ids for o in again] == expected
+    assert llm.engine.stats()["allocator_prefix_hit_tokens"] > 0
+
+
+@pytest.mark.parametrize("arch,moe_backend", CASES)
+def test_prefill_logits_match_transformers(hf_reference, arch, moe_backend):
+    path, ids, _, expected = hf_reference[arch]
+    llm = LLM(path, moe_backend=moe_backend, **ENGINE)
+    for got, want in zip(prefill_logits(llm, ids), expected):
+        assert (got - want).abs().max().item() < 1e-4
+
+
+def test_checkpoints_have_both_layer_kinds_and_real_routing(hf_reference):
+    """The presets exercise what they should: dense and sparse layers, and routing that uses
+    most experts with no near-tie at the top-k cut (float error could flip those choices)."""
+    from modserve.plugins.models.moe import SparseMoeBlock
+
+    kinds = {}
+    for arch in MOE_ARCHS:
+        path, ids, _, _ = hf_reference[arch]
+        llm = LLM(path, moe_backend="reference", **ENGINE)
+        blocks = [layer.mlp for layer in llm.engine.runner.model.layers]
+        kinds[arch] = [isinstance(b, SparseMoeBlock) for b in blocks]
+        logits: list[torch.Tensor] = []
+        hooks = [b.gate.register_forward_hook(lambda m, args, out: logits.append(out))
+                 for b in blocks if isinstance(b, SparseMoeBlock)]
+        prefill_logits(llm, ids)
+        for h in hooks:
+            h.remove()
+        for block, layer_logits in zip([b for b in blocks if isinstance(b, SparseMoeBlock)], logits):
+            probs = layer_logits.float().softmax(-1).sort(dim=-1, descending=True).values  # [T, E]
+            used = layer_logits.topk(block.top_k, dim=-1).indices.unique().numel()
+            assert used >= 0.75 * len(block.experts.gate_up)
+            assert (probs[:, block.top_k - 1] - probs[:, block.top_k]).min() > 1e-6
+    assert kinds == {"mixtral": [True] * 3, "qwen2_moe": [False, True, False, True],
+                     "qwen3_moe": [False, True, True, True]}
+
+
+def test_a_moe_model_runs_eager_under_compile_on(hf_reference):
+    """compile_regions declines (data-dependent expert slices): the engine runs it eager, same tokens."""
+    path, ids, expected, _ = hf_reference["qwen3_moe"]
+    llm = LLM(path, moe_backend="reference", compile="on", **ENGINE)
+    assert not llm.engine.runner.compiled
+    outs = llm.generate(ids[:2], SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == expected[:2]
+
+
+# -- checkpoint layouts ------------------------------------------------------------------
+_PER_EXPERT = re.compile(r"^(.*\.)(block_sparse_moe|mlp)\.experts\.(\d+)\.(\w+)\.weight$")
+_V4_NAMES = {"w1": "gate", "w3": "up", "w2": "down", "gate_proj": "gate", "up_proj": "up", "down_proj": "down"}
+
+
+def to_fused_layout(src: Path, out: Path) -> Path:
+    """Copy checkpoint ``src`` with its per-expert tensors rewritten as transformers 5 holds
+    them: ``mlp.experts.gate_up_proj`` ``[E, 2I, H]`` (gate rows first), ``mlp.experts.down_proj``
+    ``[E, H, I]``, and Mixtral's ``block_sparse_moe`` renamed ``mlp``."""
+    shutil.copytree(src, out)
+    weights = load_file(src / "model.safetensors")
+    fused: dict[str, torch.Tensor] = {}
+    experts: dict[str, dict[str, dict[int, torch.Tensor]]] = {}
+    for name, t in weights.items():
+        if m := _PER_EXPERT.match(name):
+            layer, _, e, kind = m.groups()
+            experts.setdefault(layer, {}).setdefault(_V4_NAMES[kind], {})[int(e)] = t
+        else:
+            fused[name.replace(".block_sparse_moe.", ".mlp.")] = t
+    for layer, parts in experts.items():
+        n = len(parts["gate"])
+        fused[f"{layer}mlp.experts.gate_up_proj"] = torch.stack(
+            [torch.cat([parts["gate"][e], parts["up"][e]]) for e in range(n)])
+        fused[f"{layer}mlp.experts.down_proj"] = torch.stack([parts["down"][e] for e in range(n)])
+    save_file(fused, str(out / "model.safetensors"), metadata={"format": "pt"})
+    return out
+
+
+@pytest.mark.parametrize("arch", MOE_ARCHS)
+def test_both_expert_layouts_load_to_the_same_logits(hf_reference, arch, tmp_path):
+    path, ids, _, expected = hf_reference[arch]
+    names = load_file(Path(path, "model.safetensors"))
+    assert any(".experts.0." in n for n in names), "transformers should write the per-expert layout"
+    fused = to_fused_layout(Path(path), tmp_path / "fused")
+    # The rewrite is what transformers 5 itself holds: same names and shapes as its state dict.
+    hf_model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    hf_shapes = {n: tuple(t.shape) for n, t in hf_model.state_dict().items()}
+    ours = {n: tuple(t.shape) for n, t in load_file(fused / "model.safetensors").items()}
+    fused_shapes = {n: s for n, s in ours.items() if "experts" in n}
+    assert fused_shapes and fused_shapes == {n: s for n, s in hf_shapes.items() if "experts" in n}
+    per_expert = prefill_logits(LLM(path, moe_backend="reference", **ENGINE), ids)
+    stacked = prefill_logits(LLM(str(fused), moe_backend="reference", **ENGINE), ids)
+    for a, b, want in zip(per_expert, stacked, expected):
+        assert torch.equal(a, b)
+        assert (a - want).abs().max().item() < 1e-4
+
+
+# -- tensor and pipeline parallelism -----------------------------------------------------
+@pytest.mark.parametrize("moe_backend", ["reference", pytest.param("fused", marks=[NO_FUSED])])
+@pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2)], ids=["tp2", "pp2"])
+def test_two_ranks_give_the_tokens_of_one(hf_reference, tp, pp, moe_backend):
+    """Qwen2-MoE (dense and sparse layers, a shared expert, q/k/v bias) over two ranks. TP: each
+    expert's intermediate dimension split like the dense MLP's, router replicated. PP: each
+    stage loads and prepares its own layers' experts."""
+    path, ids, expected, _ = hf_reference["qwen2_moe"]
+    llm = LLM(path, moe_backend=moe_backend, tensor_parallel_size=tp, pipeline_parallel_size=pp, num_threads=1,
+              max_model_len=256, **ENGINE)
+    try:
+        outs = llm.generate(ids, SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True),
+                            use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outs] == expected  # what one rank gives (the tests above)
+    finally:
+        llm.engine.shutdown()
+
+
+# -- routing in bfloat16 -----------------------------------------------------------------
+@pytest.mark.parametrize("arch", MOE_ARCHS)
+def test_routing_in_bfloat16_is_transformers_routing(arch):
+    """The float32 tests can't tell a float32 softmax from one in the compute dtype, or see the
+    Qwen models' cast of the weights: transformers' own router, in bfloat16, on the same logits."""
+    from transformers import AutoConfig
+    from transformers.models.mixtral.modeling_mixtral import MixtralTopKRouter
+    from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeTopKRouter
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeTopKRouter
+
+    from modserve.plugins.models.moe import route
+
+    router_cls = {"mixtral": MixtralTopKRouter, "qwen2_moe": Qwen2MoeTopKRouter, "qwen3_moe": Qwen3MoeTopKRouter}[arch]
+    num_experts, top_k = 8, 3
+    config = AutoConfig.for_model(arch, hidden_size=32, num_local_experts=num_experts, num_experts=num_experts,
+                                  num_experts_per_tok=top_k, norm_topk_prob=arch != "qwen2_moe")
+    gen = torch.Generator().manual_seed(0)
+    hf = router_cls(config).to(torch.bfloat16)
+    with torch.no_grad():
+        hf.weight.copy_(torch.randn(num_experts, 32, generator=gen) * 0.3)
+    x = torch.randn(64, 32, generator=gen).to(torch.bfloat16)  # [T, hidden]
+    _, want_weights, want_ids = hf(x)
+    renormalize = arch != "qwen2_moe"
+    ids, weights = route(torch.nn.functional.linear(x, hf.weight), top_k, renormalize,
+                         torch.bfloat16 if arch != "mixtral" else None)
+    assert weights.dtype == torch.float32 and ids.dtype == torch.int64
+    assert torch.equal(ids, want_ids)
+    assert torch.equal(weights, want_weights.float())
+
+
+# -- quantized experts ---------------------------------------------------------------------
+@NO_FUSED
+def test_int8_quantizes_each_expert_and_keeps_the_router_float(hf_reference):
+    """Experts are ordinary Linears: the quantizer takes each one; router and shared-expert gate
+    stay float (every rank, and every backend, must pick the same experts)."""
+    from modserve.api import Unquantized
+
+    path, ids, _, _ = hf_reference["qwen2_moe"]
+    runs = {}
+    for backend in ("reference", "fused"):
+        llm = LLM(path, moe_backend=backend, quantization="int8", **ENGINE)
+        block = llm.engine.runner.model.layers[1].mlp
+        assert all(isinstance(lin.quantizer, Unquantized) for lin in (block.gate, block.shared_expert_gate))
+        assert not any(isinstance(lin.quantizer, Unquantized) for lin in [*block.experts.gate_up, *block.experts.down])
+        outs = llm.generate(ids, SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True), use_tqdm=False)
+        runs[backend] = [o.outputs[0].token_ids for o in outs]
+    assert runs["reference"] == runs["fused"]
