@@ -11,10 +11,12 @@ from torch import nn
 
 from modserve.api import LinearFactory, Quantizer
 from modserve.core.registry import get_registry
-from modserve.plugins.moe.fused import FusedMoE
+from modserve.plugins.moe.fused import FusedMoE, FusedMoEOptions
 from modserve.plugins.moe.reference import ReferenceMoE
 from modserve.quantizers.fp8 import FP8Weights
 from modserve.quantizers.int8 import Int8
+
+STACKED = FusedMoEOptions(stack="on")  # the GPU path (stacked weights, grouped GEMM), here on CPU tensors
 
 
 class Experts(nn.Module):
@@ -69,7 +71,7 @@ def run(backend, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, expe
 def paths(experts: Experts) -> dict[str, Experts]:
     """The fused backend's three ways through the same experts: their Linears (never prepared),
     the stacked weights by a matmul per expert, and the stacked weights by one grouped GEMM."""
-    FusedMoE().prepare(experts)
+    FusedMoE(STACKED).prepare(experts)
     found = {"linears": experts}
     if hasattr(experts, "w13"):
         loop = Experts(list(experts.gate_up), list(experts.down))
@@ -148,7 +150,7 @@ def test_fused_matches_reference_on_quantized_experts(make_quantizer):
     x = torch.randn(tokens, hidden, generator=torch.Generator().manual_seed(6))
     ids, weights = route(tokens, num_experts, k, seed=7, unused=(2,), outside=(num_experts,))
     want = ReferenceMoE().forward(x, ids, weights, experts)
-    backend = FusedMoE()
+    backend = FusedMoE(STACKED)
     backend.prepare(experts)
     assert not hasattr(experts, "w13"), "quantized experts are not stacked"
     got = backend.forward(x, ids, weights, experts)
@@ -159,7 +161,7 @@ def test_fused_matches_reference_on_quantized_experts(make_quantizer):
 def test_prepare_keeps_one_copy_of_the_weights():
     experts = make_experts(5, 24, 40)
     before = [lin.weight.clone() for lin in experts.gate_up]
-    FusedMoE().prepare(experts)
+    FusedMoE(STACKED).prepare(experts)
     assert experts.w13.shape == (5, 80, 24) and experts.w2.shape == (5, 24, 40)
     for e, lin in enumerate(experts.gate_up):
         assert lin.weight.untyped_storage().data_ptr() == experts.w13.untyped_storage().data_ptr()
@@ -284,7 +286,16 @@ def test_row_parallel_down_is_summed_over_the_ranks(backend):
     ids, weights = route(12, 5, 2, seed=9)
     want = ReferenceMoE().forward(x, ids, weights, experts)
     ranks.calls = 0
-    made = triton_backend() if backend == "triton" else FusedMoE()
+    made = triton_backend() if backend == "triton" else FusedMoE(STACKED)
     got = run(made, x, ids, weights, experts, prepare=backend != "fused-unprepared")
     assert ranks.calls == (len(ids.unique()) if backend == "fused-unprepared" else 1)  # once per expert called
     torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6 * want.abs().max().item())
+
+
+
+def test_experts_on_a_cpu_are_not_stacked_unless_asked():
+    """auto keeps CPU experts as their Linears (the platform's GEMMs are faster there); off never stacks."""
+    for options in (None, FusedMoEOptions(stack="off")):
+        experts = make_experts(5, 24, 40)
+        FusedMoE(options).prepare(experts)
+        assert not hasattr(experts, "w13")

@@ -27,7 +27,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from torch import nn
 
 from modserve.api import MoEBackend
-from modserve.plugins.moe.fused import FusedMoE, row_parallel_sum, stackable
+from modserve.plugins.moe.fused import FusedMoE, FusedMoEOptions, row_parallel_sum, stackable
 
 
 class TritonMoEOptions(BaseModel):
@@ -55,7 +55,7 @@ class TritonMoE(MoEBackend):
             raise ValueError(f"moe backend triton needs the triton package, which cannot be imported ({e})") \
                 from None
         self.kernels = triton_kernels
-        self.fused = FusedMoE()  # for quantized experts
+        self.fused = FusedMoE(FusedMoEOptions(stack="on"))  # stacks float experts; runs quantized ones
 
     def check_device(self, device: torch.device) -> None:
         if device.type == "cpu" and not self.kernels.interpreted():
