@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
 
+from hf_oracle import greedy_and_logits
 from modserve import LLM, SamplingParams
 from modserve.core.sequence import Sequence
 
@@ -30,19 +30,7 @@ def hf_reference(checkpoint_dir):
     refs = {}
     for arch in ARCHS:
         path = checkpoint_dir(arch)
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-        from transformers import AutoTokenizer
-
-        tok = AutoTokenizer.from_pretrained(path)
-        ids = [tok.encode(p) for p in PROMPTS]
-        outs, logits = [], []
-        with torch.no_grad():
-            for p in ids:
-                gen = model.generate(torch.tensor([p]), max_new_tokens=MAX_NEW, min_new_tokens=MAX_NEW,
-                                     do_sample=False, pad_token_id=0)
-                outs.append(gen[0, len(p):].tolist())
-                logits.append(model(torch.tensor([p])).logits[0])  # [P, V]
-        refs[arch] = (path, ids, outs, logits)
+        refs[arch] = (path, *greedy_and_logits(path, PROMPTS, MAX_NEW))
     return refs
 
 

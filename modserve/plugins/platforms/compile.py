@@ -11,10 +11,13 @@ by itself, which is the graph that takes a linear method's single-row branch.
 
 from __future__ import annotations
 
+import logging
 from typing import Callable
 
 import torch
 from torch import nn
+
+logger = logging.getLogger("modserve")
 
 
 # Below this many weight bytes the first compile (~10-20 s on two CPU cores, tens of seconds on
@@ -34,3 +37,20 @@ def compile_regions(model: nn.Module) -> bool:
     """Ask the model to compile its regions; False when its architecture has none."""
     compile_regions = getattr(model, "compile_regions", None)
     return bool(compile_regions and compile_regions(compiler))
+
+
+def compile_wanted(setting: str, weight_bytes: int, quantized: bool) -> bool:
+    """The ``compile`` setting: ``auto`` is on for unquantized models of AUTO_COMPILE_MIN_BYTES or
+    more (logged when off, saying why). Compiled, each layer's elementwise chains (RMSNorm, RoPE,
+    SiLU-and-mul, residual adds) fuse into a few kernels around the GEMMs and attention: C++ loops
+    on a CPU, Triton kernels on a GPU."""
+    if setting != "auto":
+        return setting == "on"
+    if quantized:
+        logger.info("compile auto: off (quantized linears run eagerly; set compile: on to try them compiled)")
+        return False
+    if weight_bytes < AUTO_COMPILE_MIN_BYTES:
+        logger.info("compile auto: off (%.0f MiB of weights: compiling would take longer than it saves)",
+                    weight_bytes / 2**20)
+        return False
+    return True

@@ -9,7 +9,7 @@ import torch
 from pydantic import BaseModel
 
 from modserve.api import CausalLM, FinishedModel, ModelLoad, Platform, Unquantized, model_bytes
-from modserve.plugins.platforms.compile import AUTO_COMPILE_MIN_BYTES, compile_regions
+from modserve.plugins.platforms.compile import AUTO_COMPILE_MIN_BYTES, compile_regions, compile_wanted
 from modserve.plugins.platforms.cpu.host_memory import keep_freed_memory
 from modserve.plugins.platforms.cpu.linear import CpuLinear, add_decode_weights, decode_weight_dtype
 from modserve.plugins.platforms.cpu.prepack import add_packed_weights
@@ -57,16 +57,7 @@ class CpuPlatform(Platform):
         return FinishedModel(compiled, decode_bytes, packed_bytes)
 
     def compile_wanted(self, setting: str, weight_bytes: int, quantized: bool) -> bool:
-        if setting != "auto":
-            return setting == "on"
-        if quantized:
-            logger.info("compile auto: off (quantized linears run eagerly; set compile: on to try them compiled)")
-            return False
-        if weight_bytes < AUTO_COMPILE_MIN_BYTES:
-            logger.info("compile auto: off (%.0f MiB of weights: compiling would take longer than it saves)",
-                        weight_bytes / 2**20)
-            return False
-        return True
+        return compile_wanted(setting, weight_bytes, quantized)
 
     def prepack_wanted(self, setting: str, dtype: torch.dtype, weight_bytes: int, quantized: bool) -> bool:
         """Whether to pack; ``on`` where packing cannot work is an error, ``auto`` logs why not."""

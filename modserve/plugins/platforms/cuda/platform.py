@@ -11,7 +11,7 @@ from pydantic import BaseModel
 
 from modserve.api import (AttentionBackend, CausalLM, FinishedModel, GraphSettings, ModelLoad, Platform,
                           StepForward, model_bytes)
-from modserve.plugins.platforms.compile import AUTO_COMPILE_MIN_BYTES, compile_regions
+from modserve.plugins.platforms.compile import compile_regions, compile_wanted
 from modserve.plugins.platforms.cuda.graphs import CudaGraphRecorder, capture_decode_graphs
 
 logger = logging.getLogger("modserve")
@@ -42,20 +42,7 @@ class CudaPlatform(Platform):
                              and compile_regions(model))
 
     def compile_wanted(self, setting: str, weight_bytes: int, quantized: bool) -> bool:
-        """``auto``: on for unquantized models of AUTO_COMPILE_MIN_BYTES or more. Inductor fuses each
-        layer's elementwise chains (RMSNorm, RoPE, SiLU-and-mul, residual adds) into a few Triton
-        kernels around the GEMMs and attention; below that size the first compile (tens of seconds)
-        costs more than a short run saves."""
-        if setting != "auto":
-            return setting == "on"
-        if quantized:
-            logger.info("compile auto: off (quantized linears run eagerly; set compile: on to try them compiled)")
-            return False
-        if weight_bytes < AUTO_COMPILE_MIN_BYTES:
-            logger.info("compile auto: off (%.0f MiB of weights: compiling would take longer than it saves)",
-                        weight_bytes / 2**20)
-            return False
-        return True
+        return compile_wanted(setting, weight_bytes, quantized)
 
     def capture_graphs(self, forward: StepForward, backend: AttentionBackend,
                        settings: GraphSettings) -> StepForward:
