@@ -4,6 +4,19 @@ from __future__ import annotations
 
 import torch
 
+# 8 prompts of different lengths: ASCII, accents and CJK and emoji, JSON, code, a single letter.
+PROMPTS = [
+    "Hello",
+    "The quick brown fox jumps over the lazy dog",
+    "café naïve 日本語 😀 and then",
+    "{\"model\": \"token\", \"cache\": [1, 2, 3]}",
+    "one two three four five six seven eight nine ten eleven twelve thirteen fourteen",
+    "a",
+    "Zürich Kraków Málaga " * 7,
+    "def step(self):\n    return self.queue.pop()\n" * 3,
+]
+
+
 
 def greedy_and_logits(path: str, prompts: list[str], max_new: int
                       ) -> tuple[list[list[int]], list[list[int]], list[torch.Tensor]]:

@@ -5,23 +5,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hf_oracle import greedy_and_logits
+from hf_oracle import PROMPTS, greedy_and_logits
 from modserve import LLM, SamplingParams
 from modserve.core.sequence import Sequence
 
 ARCHS = ["llama", "mistral", "qwen2"]
 BACKENDS = ["reference", "paged"]
 MAX_NEW = 12
-PROMPTS = [
-    "Hello",
-    "The quick brown fox jumps over the lazy dog",
-    "café naïve 日本語 😀 and then",
-    "{\"model\": \"token\", \"cache\": [1, 2, 3]}",
-    "one two three four five six seven eight nine ten eleven twelve thirteen fourteen",
-    "a",
-    "Zürich Kraków Málaga " * 7,
-    "def step(self):\n    return self.queue.pop()\n" * 3,
-]
 
 
 @pytest.fixture(scope="module")

@@ -19,7 +19,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
-from hf_oracle import greedy_and_logits
+from hf_oracle import PROMPTS, greedy_and_logits
 from modserve import LLM, SamplingParams
 from modserve.core.sequence import Sequence
 
@@ -32,16 +32,6 @@ CASES = [pytest.param("qwen3", "reference", id="qwen3")] + [
     pytest.param(arch, backend, id=f"{arch}-{backend}", marks=[NO_FUSED] if backend == "fused" else [])
     for arch in MOE_ARCHS for backend in ("reference", "fused")]
 MAX_NEW = 10
-PROMPTS = [
-    "Hello",
-    "The quick brown fox jumps over the lazy dog",
-    "café naïve 日本語 😀 and then",
-    "{\"model\": \"token\", \"cache\": [1, 2, 3]}",
-    "one two three four five six seven eight nine ten eleven twelve thirteen fourteen",
-    "a",
-    "Zürich Kraków Málaga " * 7,
-    "def step(self):\n    return self.queue.pop()\n" * 3,
-]
 # Prefix caching on, block size 4, and a 16-token step budget: the longer prompts are
 # prefilled in chunks, several prompts share a step, and the shared-prefix ones hit the cache.
 ENGINE = dict(dtype="float32", num_kv_blocks=512, block_size=4, max_num_batched_tokens=16,
