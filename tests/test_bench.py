@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import json
 import math
+import multiprocessing
 import os
 import socket
 import subprocess
@@ -274,6 +275,15 @@ def test_compare_finds_a_planted_difference(tmp_path, llama_dir):
     rc, report = _compare(tmp_path, llama_dir, "reference", "swapped-kv")
     assert rc == 1
     assert "verdict: FAIL" in report and "max logit difference" in report
+
+
+def test_compare_refuses_two_multi_rank_engines_before_starting_either(tmp_path, llama_dir, capsys):
+    paths = [tmp_path / "a.yaml", tmp_path / "b.yaml"]
+    for path in paths:
+        path.write_text("tensor_parallel_size: 2\nnum_threads: 1\n")
+    assert main(["compare", *map(str, paths), "--model", llama_dir, "--num-prompts", "1"]) == 2
+    assert "both run several ranks" in capsys.readouterr().err
+    assert multiprocessing.active_children() == []
 
 
 # -- serve -------------------------------------------------------------------------------------------------

@@ -426,6 +426,12 @@ def cmd_compare(args: argparse.Namespace) -> int:
     pinning = pin(args)
     overrides = engine_overrides(args)  # the engine flags, applied to both
     configs = [engine_config(load_config_file(path), **overrides) for path in (args.config_a, args.config_b)]
+    if all(c.tensor_parallel_size * c.pipeline_parallel_size > 1 for c in configs):
+        # Both engines live in this process, interleaved, and torch.distributed has one default group.
+        print("compare: A and B both run several ranks (tensor_parallel_size x pipeline_parallel_size > 1); "
+              "they share this process, which holds one process group: give one of them a single rank, "
+              "or run `modserve bench throughput` for each", file=sys.stderr)
+        return 2
     for label, config in zip("AB", configs):
         log_selection(config, label)
     llm_a, llm_b = (LLM(config=c, progress=False) for c in configs)
