@@ -62,9 +62,11 @@ def add_config_flags(parser: argparse.ArgumentParser, config_file: bool = True, 
     for name, field in fields.items():
         metavar, help_text = field_help(name, field)
         extra: dict[str, Any] = {"nargs": "+"} if name == "served_model_name" else {"nargs": "*"} \
-            if name in LIST_FIELDS else {}
+            if name in LIST_FIELDS else {"action": argparse.BooleanOptionalAction} if field.annotation is bool else {}
+        if field.annotation is not bool:  # a bare flag and its --no- form, as vLLM's booleans
+            extra["metavar"] = metavar
         group.add_argument("--" + name.replace("_", "-"), *FLAG_ALIASES.get(name, ()), *shorts.get(name, ()),
-                           dest=f"cfg_{name}", metavar=metavar, help=help_text, **extra)
+                           dest=f"cfg_{name}", help=help_text, **extra)
     vllm = parser.add_argument_group("vLLM's spellings", "mapped onto the settings above, refused with the "
                                      "reason, or ignored with a warning (docs/configuration.md)")
     for option in VLLM_OPTIONS:
@@ -136,7 +138,7 @@ def engine_overrides(args: argparse.Namespace) -> dict[str, Any]:
                 items = [_yaml_value(name, v) for v in value]
                 out[name] = items[0] if len(items) == 1 and isinstance(items[0], list) else items
             else:
-                out[name] = value if name in TEXT_FIELDS else _yaml_value(name, value)
+                out[name] = value if name in TEXT_FIELDS or isinstance(value, bool) else _yaml_value(name, value)
         elif key.startswith("vllm_"):
             out[key[5:]] = value
     model = getattr(args, "model_tag", None)

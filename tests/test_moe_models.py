@@ -22,6 +22,7 @@ from transformers import AutoModelForCausalLM
 from hf_oracle import PROMPTS, greedy_and_logits
 from modserve import LLM, SamplingParams
 from modserve.core.sequence import Sequence
+from modserve.plugins.models.moe import expert_share
 
 ARCHS = ["qwen3", "mixtral", "qwen2_moe", "qwen3_moe"]
 MOE_ARCHS = ARCHS[1:]
@@ -173,20 +174,53 @@ def test_both_expert_layouts_load_to_the_same_logits(hf_reference, arch, tmp_pat
 
 # -- tensor and pipeline parallelism -----------------------------------------------------
 @pytest.mark.parametrize("moe_backend", ["reference", pytest.param("fused", marks=[NO_FUSED])])
-@pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2)], ids=["tp2", "pp2"])
-def test_two_ranks_give_the_tokens_of_one(hf_reference, tp, pp, moe_backend):
+@pytest.mark.parametrize("tp,pp,ep", [(2, 1, False), (2, 1, True), (1, 2, False)], ids=["tp2", "ep2", "pp2"])
+def test_two_ranks_give_the_tokens_of_one(hf_reference, tp, pp, ep, moe_backend):
     """Qwen2-MoE (dense and sparse layers, a shared expert, q/k/v bias) over two ranks. TP: each
-    expert's intermediate dimension split like the dense MLP's, router replicated. PP: each
-    stage loads and prepares its own layers' experts."""
+    expert's intermediate dimension split like the dense MLP's, router replicated. EP: 5 of the
+    10 experts whole on each rank, the shared expert split as TP splits it. PP: each stage loads
+    and prepares its own layers' experts."""
     path, ids, expected, _ = hf_reference["qwen2_moe"]
     llm = LLM(path, moe_backend=moe_backend, tensor_parallel_size=tp, pipeline_parallel_size=pp, num_threads=1,
-              max_model_len=256, **ENGINE)
+              enable_expert_parallel=ep, max_model_len=256, **ENGINE)
     try:
         outs = llm.generate(ids, SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True),
                             use_tqdm=False)
         assert [o.outputs[0].token_ids for o in outs] == expected  # what one rank gives (the tests above)
+        assert llm.engine.allocator.num_free_blocks() == llm.engine.allocator.num_blocks
     finally:
         llm.engine.shutdown()
+
+
+def test_expert_parallel_splits_an_odd_expert_count_unevenly(checkpoint_dir):
+    """Qwen3-MoE with 7 experts over 2 ranks: rank 0 holds experts 0-3, rank 1 experts 4-6
+    (transformers 5's fused 3-D expert tensors are split per expert, then per rank); the tokens
+    are transformers' and the per-expert load counts every expert once per routed token."""
+    path = checkpoint_dir("qwen3_moe", num_experts=7)
+    ids, expected, _ = greedy_and_logits(path, PROMPTS, MAX_NEW)
+    llm = LLM(path, tensor_parallel_size=2, enable_expert_parallel=True, num_threads=1, max_model_len=256, **ENGINE)
+    try:
+        outs = llm.generate(ids, SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True),
+                            use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outs] == expected
+        load = llm.engine.stats()["expert_tokens"]
+        assert sorted(load) == [1, 2, 3] and all(len(per_layer) == 7 for per_layer in load.values())
+        assert len({sum(per_layer) for per_layer in load.values()}) == 1  # every sparse layer saw every token
+        assert all(sum(per_layer[:4]) and sum(per_layer[4:]) for per_layer in load.values())  # both ranks' experts
+    finally:
+        llm.engine.shutdown()
+
+
+@pytest.mark.parametrize("num_experts,ranks,shares", [
+    (8, 2, [(0, 4), (4, 4)]), (7, 2, [(0, 4), (4, 3)]), (10, 4, [(0, 3), (3, 3), (6, 2), (8, 2)]),
+    (3, 3, [(0, 1), (1, 1), (2, 1)])])
+def test_expert_shares_cover_every_expert_once(num_experts, ranks, shares):
+    assert [expert_share(num_experts, r, ranks) for r in range(ranks)] == shares
+
+
+def test_expert_parallel_refuses_fewer_experts_than_ranks():
+    with pytest.raises(ValueError, match="4 experts cannot be split over 8 ranks.*enable_expert_parallel: false"):
+        expert_share(4, 0, 8)
 
 
 # -- routing in bfloat16 -----------------------------------------------------------------

@@ -132,6 +132,15 @@ def test_vllms_parallelism_flags_are_modserves_settings(llama_dir, tmp_path):
     path.write_text(f"model: {llama_dir}\npipeline-parallel-size: 2\ndata_parallel_size: 3\n")
     config, _ = resolve(["serve", "--config", str(path)])
     assert (config.pipeline_parallel_size, config.data_parallel_size) == (2, 3)
+    # vLLM's --enable-expert-parallel is a bare flag, before or after the model; the file spells it either way
+    for argv in (["serve", llama_dir, "-tp", "2", "--enable-expert-parallel"],
+                 ["serve", "--enable-expert-parallel", llama_dir, "-tp", "2"]):
+        config, _ = resolve(argv)
+        assert (config.model, config.enable_expert_parallel) == (llama_dir, True)
+    path.write_text(f"model: {llama_dir}\nenable-expert-parallel: true\n")
+    assert resolve(["serve", "--config", str(path)])[0].enable_expert_parallel
+    assert not resolve(["serve", "--config", str(path), "--no-enable-expert-parallel"])[0].enable_expert_parallel
+    assert not resolve(["serve", llama_dir])[0].enable_expert_parallel
 
 
 def test_hub_ids_say_modserve_needs_a_local_copy():

@@ -125,6 +125,10 @@ class EngineConfig(BaseModel):
     moe_backend: PluginChoice = Field(
         PluginChoice(name="fused"), description="Mixture-of-experts models: how a layer computes its routed "
         "experts (fused: tokens sorted by expert, one GEMM per expert; reference: a loop over experts)")
+    enable_expert_parallel: bool = Field(
+        False, description="Mixture-of-experts models under tensor parallelism: each rank holds E / ranks whole "
+        "experts and the layer's output is summed over the ranks (vLLM's name); default: every rank holds a "
+        "slice of every expert's intermediate dimension (expert tensor parallelism)")
     kv_allocator: PluginChoice = Field(PluginChoice(name="paged"), description="KV block allocator plugin")
     scheduler: PluginChoice = Field(PluginChoice(name="fcfs"), description="Scheduling policy plugin")
     sampler: PluginChoice = Field(PluginChoice(name="default"), description="Sampler plugin")

@@ -181,7 +181,8 @@ class LinearFactory:
 
     def __init__(self, quantizer: Quantizer | None, dtype: torch.dtype, device: torch.device | str,
                  float_method: Unquantized | None = None, tp: TensorParallel = TensorParallel(),
-                 layers: range | None = None, moe_backend: MoEBackend | None = None) -> None:
+                 layers: range | None = None, moe_backend: MoEBackend | None = None,
+                 expert_parallel: bool = False) -> None:
         self.float_method = float_method or Unquantized()
         self.quantizer = quantizer or self.float_method
         self.dtype = dtype
@@ -189,6 +190,7 @@ class LinearFactory:
         self.tp = tp  # models read tp.size to size their heads
         self.layers = layers  # the decoder layers this pipeline stage builds; None: all
         self.moe_backend = moe_backend  # how a mixture-of-experts layer runs its experts (moe_backend:)
+        self.expert_parallel = expert_parallel  # whole experts per rank, not slices of each (enable_expert_parallel)
 
     def __call__(self, in_features: int, out_features: int, *, bias: bool = False,
                  shard_sizes: tuple[int, ...] | None = None, parallel: str | None = None,

@@ -157,7 +157,8 @@ class ModelRunner:
         model_cls = registry.load("model_architecture", archs[0])
         self.quantizer = select_quantizer(self.config.quantization, self.hf_config, registry)
         make_linear = linear_factory(self.quantizer, self.dtype, self.device, self.platform.linear_method(), self.tp,
-                                     self.layers, registry.create("moe_backend", self.config.moe_backend))
+                                     self.layers, registry.create("moe_backend", self.config.moe_backend),
+                                     self.config.enable_expert_parallel)
         with torch.device("meta"), default_dtype(self.dtype):
             model = model_cls(self.hf_config, self.attn, max_model_len, make_linear=make_linear)
         model = model.to_empty(device=self.device)

@@ -21,15 +21,40 @@ from modserve.plugins.models.llama import MLP, LlamaForCausalLM
 
 
 class Experts(nn.Module):
-    """``num_experts`` SwiGLU MLPs: ``gate_up[e]`` ``[hidden -> 2I]`` (column-parallel, the
-    gate and up shards), ``down[e]`` ``[I -> hidden]`` (row-parallel)."""
+    """This rank's SwiGLU MLPs of a layer's ``num_experts``: ``gate_up[e]`` ``[hidden -> 2I]``
+    (the gate and up shards), ``down[e]`` ``[I -> hidden]``.
+
+    Under tensor parallelism, by default every rank holds all experts, each split like the dense
+    MLP (``gate_up`` column-parallel, ``down`` row-parallel: expert tensor parallelism). With
+    ``make_linear.expert_parallel`` a rank holds whole experts ``first .. first + len(gate_up)``
+    instead, and the layer sums the ranks' outputs (:class:`SparseMoeBlock`).
+    """
 
     def __init__(self, num_experts: int, hidden: int, intermediate: int, make_linear: LinearFactory) -> None:
         super().__init__()
-        i = intermediate
-        self.gate_up = nn.ModuleList(make_linear(hidden, 2 * i, shard_sizes=(i, i), parallel="column")
-                                     for _ in range(num_experts))
-        self.down = nn.ModuleList(make_linear(i, hidden, parallel="row") for _ in range(num_experts))
+        i, tp = intermediate, make_linear.tp
+        self.num_experts, self.tp = num_experts, tp
+        self.expert_parallel = make_linear.expert_parallel and tp.size > 1
+        self.first, count = expert_share(num_experts, tp.rank, tp.size) if self.expert_parallel else (0, num_experts)
+        column, row = (None, None) if self.expert_parallel else ("column", "row")
+        self.gate_up = nn.ModuleList(make_linear(hidden, 2 * i, shard_sizes=(i, i), parallel=column)
+                                     for _ in range(count))
+        self.down = nn.ModuleList(make_linear(i, hidden, parallel=row) for _ in range(count))
+
+    def local_id(self, expert: int) -> int | None:
+        """The index here of global expert ``expert``, or None where another rank holds it."""
+        local = expert - self.first
+        return local if 0 <= local < len(self.gate_up) else None
+
+
+def expert_share(num_experts: int, rank: int, ranks: int) -> tuple[int, int]:
+    """(first, count) of the experts rank ``rank`` of ``ranks`` holds under expert parallelism:
+    contiguous runs, the first ``num_experts % ranks`` ranks one expert more (7 over 2: 4 and 3)."""
+    if num_experts < ranks:
+        raise ValueError(f"expert parallelism: {num_experts} experts cannot be split over {ranks} ranks "
+                         "(set enable_expert_parallel: false to split each expert instead)")
+    base, extra = divmod(num_experts, ranks)
+    return rank * base + min(rank, extra), base + (rank < extra)
 
 
 def route(logits: torch.Tensor, top_k: int, renormalize: bool,
@@ -79,7 +104,13 @@ class SparseMoeBlock(nn.Module):
         ids, weights = route(self.gate(x), self.top_k, self.renormalize, x.dtype if self.round_weights else None)
         flat = ids.reshape(-1)  # [T*K]
         self.expert_tokens.index_add_(0, flat, torch.ones_like(flat))  # NOTE: no host sync (bincount would)
-        out = self.backend.forward(x, ids, weights, self.experts)  # [T, hidden]
+        experts = self.experts
+        if experts.expert_parallel:
+            # Ids of other ranks' experts fall outside [0, local count): the backend skips them,
+            # and the sum over the ranks puts every token's top-k together.
+            out = experts.tp.all_reduce(self.backend.forward(x, ids - experts.first, weights, experts))
+        else:
+            out = self.backend.forward(x, ids, weights, experts)  # [T, hidden]
         if self.shared_expert is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return out
@@ -96,6 +127,7 @@ def is_sparse_layer(config: Any, index: int) -> bool:
 # Mixtral's transformers-4 names: block_sparse_moe.experts.{e}.w1 (gate), w3 (up), w2 (down).
 _MIXTRAL_EXPERT = re.compile(r"\.experts\.(\d+)\.w([123])\.")
 _MIXTRAL_LINEAR = {"1": "gate_proj", "2": "down_proj", "3": "up_proj"}
+_EXPERT_TENSOR = re.compile(r"^(.*\.experts)\.(\d+)\.(.+)$")
 _EXPERT_MODULE = re.compile(r"^(.*\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)$")
 
 
@@ -109,6 +141,21 @@ class MoEForCausalLM(LlamaForCausalLM):
     """
 
     def checkpoint_tensors(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+        """Every expert's tensors per expert, under this rank's numbering of the experts it holds
+        (expert parallelism: the others' are dropped)."""
+        experts = {name: m for name, m in self.named_modules() if isinstance(m, Experts)}
+        for name, tensor in self._per_expert(weights):
+            if m := _EXPERT_TENSOR.match(name):
+                prefix, e, rest = m.groups()
+                held = experts.get(prefix.removeprefix("model."))
+                if held is not None:
+                    local = held.local_id(int(e))
+                    if local is None:
+                        continue
+                    name = f"{prefix}.{local}.{rest}"
+            yield name, tensor
+
+    def _per_expert(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
         for name, tensor in weights:
             name = name.replace(".block_sparse_moe.", ".mlp.")
             name = _MIXTRAL_EXPERT.sub(lambda m: f".experts.{m[1]}.{_MIXTRAL_LINEAR[m[2]]}.", name)
