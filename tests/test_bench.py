@@ -63,6 +63,26 @@ def test_prefix_repetition_reuses_each_prefix():
     assert all(r.prompt_len == 12 and r.output_len == 5 for r in reqs)
 
 
+def test_multi_turn_chats_grow_turn_by_turn():
+    reqs = workloads.multi_turn_requests(12, 5, 3, 4, POOL, prefix_len=6, seed=0)  # 3 chats of 4 turns
+    assert reqs == workloads.multi_turn_requests(12, 5, 3, 4, POOL, prefix_len=6, seed=0)
+    assert [r.prompt_len for r in reqs] == [6 + 5] * 3 + [6 + 5 + 8] * 3 + [6 + 5 + 16] * 3 + [6 + 5 + 24] * 3
+    for chat in range(3):
+        turns = [reqs[t * 3 + chat].prompt_token_ids for t in range(4)]
+        assert all(later[:len(earlier)] == earlier for earlier, later in zip(turns, turns[1:]))  # each extends the last
+    assert len({tuple(r.prompt_token_ids[:6]) for r in reqs}) == 1  # the system prompt
+    assert len({tuple(r.prompt_token_ids[:11]) for r in reqs}) == 3  # three chats
+    assert all(r.output_len == 3 for r in reqs)
+
+
+def test_few_shot_prompts_branch_at_each_example():
+    reqs = workloads.few_shot_requests(64, 4, 2, 3, POOL, num_shots=3, branching=2, prefix_len=5, seed=0)
+    assert all(r.prompt_len == 5 + 3 * 4 + 2 for r in reqs)
+    for depth, paths in ((5, 1), (5 + 4, 2), (5 + 8, 4), (5 + 12, 8)):  # the tree: 1, 2, 4 then 8 prefixes
+        assert len({tuple(r.prompt_token_ids[:depth]) for r in reqs}) == paths
+    assert len({tuple(r.prompt_token_ids) for r in reqs}) == 64  # every question its own
+
+
 def test_file_workloads(tmp_path, llama_dir):
     custom = tmp_path / "w.jsonl"
     custom.write_text('{"prompt": "hi there", "output_tokens": 3}\n\n'

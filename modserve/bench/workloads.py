@@ -16,7 +16,7 @@ from typing import Any, Sequence
 import numpy as np
 
 DEFAULT_WORKLOAD = Path(__file__).parent / "data" / "sharegpt-128.jsonl"
-KINDS = ("default", "random", "prefix-repetition", "custom", "sharegpt")
+KINDS = ("default", "random", "prefix-repetition", "multi-turn", "few-shot", "custom", "sharegpt")
 
 
 @dataclass(slots=True)
@@ -111,6 +111,44 @@ def sharegpt_requests(path: str | Path, num: int, seed: int = 0, tokenizer: Any 
     return reqs
 
 
+def multi_turn_requests(num: int, turn_len: int, output_len: int, num_turns: int, pool: np.ndarray,
+                        prefix_len: int = 0, seed: int = 0) -> list[BenchRequest]:
+    """Chats of ``num_turns`` turns, ``num / num_turns`` of them: turn t's prompt is turn t-1's
+    prompt, a stand-in reply of ``output_len`` tokens and a new message of ``turn_len`` tokens,
+    after a ``prefix_len`` system prompt all chats share. Ordered turn by turn (every chat's
+    first turn, then every second turn, ...), as chats arrive at a server."""
+    if num_turns < 1:
+        raise ValueError(f"num_turns must be at least 1, got {num_turns}")
+    rng = np.random.default_rng(seed)
+    system = rng.choice(pool, prefix_len).tolist()
+    chats = [list(system) for _ in range(-(-num // num_turns))]
+    reqs: list[BenchRequest] = []
+    for turn in range(num_turns):
+        for chat in chats:
+            if turn:
+                chat.extend(rng.choice(pool, output_len).tolist())  # the reply the client sends back
+            chat.extend(rng.choice(pool, turn_len).tolist())
+            reqs.append(BenchRequest(None, list(chat), output_len))
+    return reqs[:num]
+
+
+def few_shot_requests(num: int, shot_len: int, question_len: int, output_len: int, pool: np.ndarray,
+                      num_shots: int = 3, branching: int = 2, prefix_len: int = 0, seed: int = 0) -> list[BenchRequest]:
+    """Few-shot prompts that branch: an instruction of ``prefix_len`` tokens, then ``num_shots``
+    examples of ``shot_len`` tokens, the i-th picked from ``branching`` candidates for that
+    position, then a question of ``question_len`` tokens. The prompts form a tree: two share
+    the instruction and as many leading examples as their picks agree on."""
+    rng = np.random.default_rng(seed)
+    instruction = rng.choice(pool, prefix_len).tolist()
+    shots = [[rng.choice(pool, shot_len).tolist() for _ in range(branching)] for _ in range(num_shots)]
+    reqs = []
+    for _ in range(num):
+        picks = rng.integers(0, branching, size=num_shots)
+        prompt = instruction + [t for i, pick in enumerate(picks) for t in shots[i][pick]]
+        reqs.append(BenchRequest(None, prompt + rng.choice(pool, question_len).tolist(), output_len))
+    return reqs
+
+
 def tokenize(requests: Sequence[BenchRequest], tokenizer: Any) -> list[BenchRequest]:
     """Fill in the token ids of text prompts (an HF tokenizer or modserve's Tokenizer)."""
     return [r if r.prompt_token_ids is not None
@@ -142,6 +180,10 @@ def add_workload_flags(parser: argparse.ArgumentParser, num_prompts: int = 64) -
                    help="prefix-repetition: per-request suffix")
     g.add_argument("--num-prefixes", "--prefix-repetition-num-prefixes", type=int, default=4,
                    help="prefix-repetition: distinct prefixes")
+    g.add_argument("--num-turns", type=int, default=4, help="multi-turn: turns per chat (--input-len tokens each)")
+    g.add_argument("--num-shots", type=int, default=3,
+                   help="few-shot: examples per prompt (--suffix-len tokens each; the question --input-len)")
+    g.add_argument("--branching", type=int, default=2, help="few-shot: candidates for each example's position")
     g.add_argument("--workload-seed", type=int, default=0)
 
 
@@ -149,13 +191,18 @@ def load_workload(args: argparse.Namespace, tokenizer: Any = None) -> list[Bench
     """The workload the flags of :func:`add_workload_flags` describe. Random kinds need
     ``tokenizer`` (an HF tokenizer) for the vocabulary."""
     kind, num, seed = args.workload, args.num_prompts, args.workload_seed
-    if kind in ("random", "prefix-repetition"):
+    if kind in ("random", "prefix-repetition", "multi-turn", "few-shot"):
         if tokenizer is None:
             raise ValueError(f"the {kind} workload needs a tokenizer (--tokenizer) for its vocabulary")
         pool = token_pool(tokenizer)
         out = args.output_len or 64
         if kind == "random":
             return random_requests(num, args.input_len, out, pool, args.range_ratio, args.prefix_len, seed)
+        if kind == "multi-turn":
+            return multi_turn_requests(num, args.input_len, out, args.num_turns, pool, args.prefix_len, seed)
+        if kind == "few-shot":
+            return few_shot_requests(num, args.suffix_len, args.input_len, out, pool, args.num_shots, args.branching,
+                                     args.prefix_len, seed)
         return prefix_repetition_requests(num, args.prefix_len or 256, args.suffix_len, args.num_prefixes,
                                           out, pool, seed)
     if kind == "sharegpt":
