@@ -240,3 +240,16 @@ def test_cli_generate(llama_dir, capsys):
                "--max-tokens", "5"])
     assert rc == 0
     assert capsys.readouterr().out.strip()
+
+
+def test_outputs_count_the_prompt_tokens_the_prefix_cache_held(llama_dir):
+    """vLLM's RequestOutput.num_cached_tokens: whole blocks of the prompt found cached at admission."""
+    llm = make_llm(llama_dir, num_kv_blocks=64, block_size=16, max_model_len=256)
+    prompt = list(range(10, 60))  # 50 tokens: 3 full blocks
+    greedy = SamplingParams(temperature=0.0, max_tokens=2)
+    [first] = llm.generate([prompt], greedy, use_tqdm=False)
+    [again, other] = llm.generate([prompt + [7, 8], list(range(100, 120))], greedy, use_tqdm=False)
+    assert (first.num_cached_tokens, again.num_cached_tokens, other.num_cached_tokens) == (0, 48, 0)
+    assert again.outputs[0].token_ids == llm.generate([prompt + [7, 8]], greedy, use_tqdm=False)[0].outputs[0].token_ids
+    logprobs = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0)  # computes its whole prompt
+    assert llm.generate([prompt], logprobs, use_tqdm=False)[0].num_cached_tokens == 0

@@ -518,7 +518,8 @@ class LLMEngine:
             ))
         # NOTE: not copied: the entries are complete before the first output with a token.
         return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, completions,
-                             req.finished, req.metrics, prompt_logprobs=req.prompt_logprobs)
+                             req.finished, req.metrics, max(0, req.seqs[0].num_cached_tokens),
+                             prompt_logprobs=req.prompt_logprobs)
 
     # -- introspection -------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:

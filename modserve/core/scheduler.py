@@ -184,15 +184,14 @@ class SchedulerCore(SchedulerView):
         free = allocator.num_free_blocks()
         with calling(allocator, "kv_allocator", "match_prefix()"):
             seq.num_computed_tokens = allocator.match_prefix(seq)
-        if not seq.num_computed_tokens:
-            return n
         m = min(n, seq.num_tokens - seq.num_computed_tokens)
         taken = free - allocator.num_free_blocks()
-        if taken + allocator.blocks_needed(seq, seq.num_computed_tokens + m) <= available:
-            return m
-        allocator.free(seq)
-        seq.num_computed_tokens = 0
-        return n
+        if seq.num_computed_tokens and taken + allocator.blocks_needed(seq, seq.num_computed_tokens + m) > available:
+            allocator.free(seq)
+            seq.num_computed_tokens, m = 0, n
+        if seq.num_cached_tokens < 0:  # vLLM's RequestOutput.num_cached_tokens: the first admission's hit
+            seq.num_cached_tokens = seq.num_computed_tokens
+        return m if seq.num_computed_tokens else n
 
     def _allocate(self, seq: Sequence, num_tokens: int) -> None:
         """``allocator.allocate``, checked: it must succeed (the schedule was checked against

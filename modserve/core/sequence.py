@@ -53,6 +53,7 @@ class Sequence:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     num_preemptions: int = 0
+    num_cached_tokens: int = -1  # prompt tokens the prefix cache held when first admitted (-1: not yet)
     # Filled by the engine's output side.
     logprobs: list[dict[str, Any]] = field(default_factory=list)
     text: str = ""
