@@ -186,6 +186,15 @@ def test_plan_llama3_70b_by_hand(capsys):
 SHAPES = Path(__file__).parent.parent / "configs" / "shapes"
 
 
+def test_plan_piped_into_a_reader_that_leaves_ends_without_a_traceback():
+    """`modserve plan ... | head -1`: the reader is gone before plan writes."""
+    proc = subprocess.Popen([sys.executable, "-m", "modserve.cli", "plan", "--model", str(SHAPES / "mixtral-8x7b.json"),
+                             "--hardware", "h200"], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc.stdout.close()  # before the interpreter has even imported modserve
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=120) == 141 and "Traceback" not in err, err
+
+
 def test_plan_moe_by_hand(capsys):
     """Mixtral-8x7B: 46.7 B parameters, 12.9 B active (Mistral AI's figures); Qwen1.5-MoE-A2.7B:
     14.3 B and 2.7 B with its shared expert (Qwen's)."""
