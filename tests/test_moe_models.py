@@ -116,13 +116,17 @@ def test_checkpoints_have_both_layer_kinds_and_real_routing(hf_reference):
                      "qwen3_moe": [False, True, True, True]}
 
 
-def test_a_moe_model_runs_eager_under_compile_on(hf_reference):
-    """compile_regions declines (data-dependent expert slices): the engine runs it eager, same tokens."""
-    path, ids, expected, _ = hf_reference["qwen3_moe"]
-    llm = LLM(path, moe_backend="reference", compile="on", **ENGINE)
-    assert not llm.engine.runner.compiled
-    outs = llm.generate(ids[:2], SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True), use_tqdm=False)
-    assert [o.outputs[0].token_ids for o in outs] == expected[:2]
+def test_a_compiled_moe_model_gives_transformers_tokens(hf_reference):
+    """Under compile: on the routed experts are one opaque op in each layer's graph (Qwen2-MoE:
+    a graph for its dense layers and one for its sparse ones, the shared expert in-graph); the
+    tokens are transformers', and the op still counts the per-expert load."""
+    path, ids, expected, _ = hf_reference["qwen2_moe"]
+    llm = LLM(path, compile="on", **ENGINE)
+    assert llm.engine.runner.compiled
+    outs = llm.generate(ids, SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == expected
+    load = llm.engine.stats()["expert_tokens"]
+    assert load and len({sum(per_layer) for per_layer in load.values()}) == 1 and sum(next(iter(load.values())))
 
 
 # -- checkpoint layouts ------------------------------------------------------------------

@@ -9,7 +9,9 @@ experts is the engine's MoE backend's business (``make_linear.moe_backend``).
 
 from __future__ import annotations
 
+import itertools
 import re
+import weakref
 from typing import Any, Iterable, Iterator
 
 import torch
@@ -100,20 +102,48 @@ class SparseMoeBlock(nn.Module):
         # engine's per-expert load figures. Zeroed after loading (the model is built on "meta").
         self.register_buffer("expert_tokens", torch.zeros(num_experts, dtype=torch.int64), persistent=False)
 
+        self.block_id = next(_block_ids)  # how the compiled graph's opaque op finds this block
+        _BLOCKS[self.block_id] = self
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden]
         ids, weights = route(self.gate(x), self.top_k, self.renormalize, x.dtype if self.round_weights else None)
+        if torch.compiler.is_compiling():
+            out = _routed_experts_op(x, ids, weights, self.block_id)
+        else:
+            out = self.routed_experts(x, ids, weights)
+        if self.shared_expert is not None:
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return out
+
+
+    def routed_experts(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """``[T, hidden]``: each token through its top-k experts (``ids``, ``weights`` ``[T, K]``), weighted."""
         flat = ids.reshape(-1)  # [T*K]
         self.expert_tokens.index_add_(0, flat, torch.ones_like(flat))  # NOTE: no host sync (bincount would)
         experts = self.experts
         if experts.expert_parallel:
             # Ids of other ranks' experts fall outside [0, local count): the backend skips them,
             # and the sum over the ranks puts every token's top-k together.
-            out = experts.tp.all_reduce(self.backend.forward(x, ids - experts.first, weights, experts))
-        else:
-            out = self.backend.forward(x, ids, weights, experts)  # [T, hidden]
-        if self.shared_expert is not None:
-            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
-        return out
+            return experts.tp.all_reduce(self.backend.forward(x, ids - experts.first, weights, experts))
+        return self.backend.forward(x, ids, weights, experts)
+
+
+# Under torch.compile the routed experts are one opaque op, as attention is: each expert gets a
+# data-dependent number of tokens and the backends loop over experts on the host, which a
+# fullgraph trace cannot take; the router, the shared expert and the rest of the layer fuse.
+_BLOCKS: weakref.WeakValueDictionary[int, SparseMoeBlock] = weakref.WeakValueDictionary()
+_block_ids = itertools.count()
+
+
+@torch.library.custom_op("modserve::moe_routed_experts", mutates_args=())
+def _routed_experts_op(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, block: int) -> torch.Tensor:
+    # Counts into the block's expert_tokens buffer, which is no input of the op: no graph reads it.
+    return _BLOCKS[block].routed_experts(x, ids, weights).contiguous()
+
+
+@_routed_experts_op.register_fake
+def _(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, block: int) -> torch.Tensor:
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
 
 
 def is_sparse_layer(config: Any, index: int) -> bool:
@@ -189,9 +219,3 @@ class MoEForCausalLM(LlamaForCausalLM):
             if isinstance(block, SparseMoeBlock):
                 block.backend.prepare(block.experts)
                 block.expert_tokens.zero_()
-
-    def compile_regions(self, compiler: Any) -> bool:
-        """Not compiled: the routing gives each expert a data-dependent number of tokens (and
-        the backends loop over experts on the host), which the compile path's fullgraph
-        tracing cannot take. The engine runs the model eager."""
-        return False
