@@ -37,6 +37,8 @@ def add_parsers(sub: Any) -> None:
     p.add_argument("--baseline", nargs="+", choices=["hf", "vllm"], default=[],
                    help="also run these, interleaved: transformers generate (hf), an installed vLLM (vllm)")
     p.add_argument("--hf-batch-size", type=int, default=16, help="static batch size of the hf baseline")
+    p.add_argument("--hardware", choices=HARDWARE_CHOICES, default=None,
+                   help="for the compute ceiling (default: cpu, measured, when the device is the CPU)")
     _add_vllm_flags(p)
     add_output_flags(p, "every run's figures")
     p.set_defaults(func=cmd_throughput)
@@ -265,8 +267,28 @@ def cmd_throughput(args: argparse.Namespace) -> int:
     if load := llm.engine.runner.expert_load():
         print("\n".join(expert_load_lines(load)))
         figures["expert_load"] = expert_load_figures(load)  # type: ignore[assignment]
+    if ceiling := _compute_ceiling(args, llm, [(r.prompt_len, r.output_len) for r in requests],
+                                   Spread.of([r["wall s"] for r in figures["modserve"]]).median):
+        hw_name, fraction = ceiling
+        print(fraction.line(hw_name, "modserve (median run)"))
+        figures["compute_ceiling_fraction"] = fraction.fraction  # type: ignore[assignment]
     _write_json(output_path(args, "throughput"), figures)
     return 0
+
+
+def _compute_ceiling(args: argparse.Namespace, llm: Any, lengths: list[tuple[int, int]],
+                     seconds: float) -> tuple[str, Any] | None:
+    """(hardware, :class:`~modserve.bench.roofline.ComputeFraction`) of a run of these
+    requests in ``seconds``, on ``--hardware`` (default: this CPU, measured)."""
+    from modserve.bench.plan import ModelShape, hardware
+    from modserve.bench.roofline import compute_fraction
+
+    hw_name = args.hardware or ("cpu" if llm.config.device == "cpu" else None)
+    if not hw_name:
+        return None
+    dtype = str(llm.engine.dtype).removeprefix("torch.")
+    return hw_name, compute_fraction(ModelShape.load(llm.config.model), hardware(hw_name, dtype), dtype, lengths,
+                                     seconds)
 
 
 def expert_load_figures(load: dict[int, list[int]]) -> dict[str, Any]:
@@ -334,6 +356,10 @@ def cmd_latency(args: argparse.Namespace) -> int:
               f"ceiling of {p.decode_ceiling_tok_s:.1f} tok/s ({p.bandwidth / 1e9:.1f} GB/s over "
               f"{p.weight_bytes / 2**20:.0f} MiB of weights + KV per step)")
         result["ceiling_tok_s"] = p.decode_ceiling_tok_s
+        ttft = Spread.of([r["TTFT ms"] for r in runs]).median / 1e3
+        if ceiling := _compute_ceiling(args, llm, [(args.input_len, 1)], ttft):
+            print(ceiling[1].line(hw_name, f"prefill of {args.input_len} tokens (TTFT)"))
+            result["prefill_compute_ceiling_fraction"] = ceiling[1].fraction
     _write_json(output_path(args, "latency"), result)
     return 0
 
