@@ -274,3 +274,40 @@ def test_int8_quantizes_each_expert_and_keeps_the_router_float(hf_reference):
         outs = llm.generate(ids, SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True), use_tqdm=False)
         runs[backend] = [o.outputs[0].token_ids for o in outs]
     assert runs["reference"] == runs["fused"]
+
+
+@pytest.mark.parametrize("arch,method", [("qwen2_moe", "gptq"), ("mixtral", "awq")])
+def test_a_pre_quantized_moe_checkpoint_is_the_float_model_with_its_dequantized_experts(hf_reference, arch, method):
+    """AWQ and GPTQ checkpoints of MoE models (every expert's gate/up/down packed as AutoAWQ and
+    GPTQModel write them, Mixtral's as w1/w3/w2, the routers float): each expert loads into its
+    quantized Linear, and the model is the float one with each layer's dequantized weight in it."""
+    from modserve.api import Linear, Unquantized
+    from modserve.testing import cached_quantized_checkpoint
+
+    float_path, ids, _, _ = hf_reference[arch]
+    # group size 16: Qwen2-MoE's shared expert is 48 wide
+    quantized = LLM(cached_quantized_checkpoint(method, arch=arch, group_size=16), quantization=method, **ENGINE)
+    patched = LLM(float_path, **ENGINE)
+    q_linears = dict(quantized.engine.runner.model.named_modules())
+    swapped = 0
+    with torch.no_grad():
+        for name, linear in patched.engine.runner.model.named_modules():
+            q = q_linears[name]
+            if isinstance(linear, Linear) and not isinstance(q.quantizer, Unquantized):
+                dequantized = q.quantizer.dequantize(q)
+                # each expert's weights where its float ones are (4-bit rounding aside): a gate/up
+                # or expert mix-up would be as far off as the weights themselves
+                error = ((dequantized - linear.weight).norm() / linear.weight.norm()).item()
+                assert error < 0.2, f"{name}: relative error {error:.3f}"
+                linear.weight.copy_(dequantized)
+                swapped += 1
+    block = quantized.engine.runner.model.layers[1].mlp
+    assert isinstance(block.gate.quantizer, Unquantized)  # the router stays float
+    # quantized Linears: qkv and o in every layer; Qwen2-MoE's 2 dense MLPs (gate_up, down) and
+    # 2 sparse layers of 10 experts and a shared one; Mixtral's 3 layers of 8 experts
+    assert swapped == {"qwen2_moe": 4 * 2 + 2 * 2 + 2 * (10 + 1) * 2, "mixtral": 3 * 2 + 3 * 8 * 2}[arch]
+    for got, want in zip(prefill_logits(quantized, ids), prefill_logits(patched, ids)):
+        assert (got - want).abs().max().item() < 1e-4
+    greedy = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
+    assert [o.outputs[0].token_ids for o in quantized.generate(ids, greedy, use_tqdm=False)] == \
+        [o.outputs[0].token_ids for o in patched.generate(ids, greedy, use_tqdm=False)]

@@ -270,7 +270,8 @@ def _cached(prefix: str, key: dict[str, Any], cache_dir: str | os.PathLike | Non
 # Round-to-nearest quantization of a float checkpoint's linear layers, packed exactly as
 # AutoAWQ (GEMM) and AutoGPTQ / GPTQModel write them. Written independently of the
 # engine's unpacking in modserve.quantizers, so tests can hold one against the other.
-QUANTIZED_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+QUANTIZED_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
+                     "w1", "w2", "w3")  # w1/w3/w2: Mixtral's experts' gate/up/down; routers stay float
 AWQ_PACK_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # int32 nibble i holds output channel AWQ_PACK_ORDER[i] of 8
 
 
