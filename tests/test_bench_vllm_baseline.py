@@ -104,7 +104,8 @@ def test_bench_throughput_with_hf_and_vllm(fake_vllm, llama_dir, tmp_path, capsy
     assert "greedy agreement with hf (batch 4): 100.0%" in out
     assert "greedy agreement with vllm: " in out  # the fake's tokens are not the model's
     figures = json.loads(out_json.read_text())
-    assert set(figures) == {"modserve", "hf", "vllm"} and all(len(r) == 3 for r in figures.values())
+    assert set(figures) == {"modserve", "hf", "vllm", "compute_ceiling_fraction"}
+    assert all(len(figures[name]) == 3 for name in ("modserve", "hf", "vllm"))
 
 
 def test_bench_latency_with_vllm(fake_vllm, llama_dir, capsys):
