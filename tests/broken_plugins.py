@@ -581,7 +581,8 @@ BROKEN: dict[str, dict[str, Any]] = {
 # The built-ins, under other names: the kit must pass them through this very plugin.
 CONTROLS: dict[str, dict[str, str]] = {
     "attention_backend": {"reference_copy": "modserve.attention_backends.reference:ReferenceAttention"},
-    "kv_allocator": {"paged_copy": "modserve.plugins.kv_allocators.paged:PagedAllocator"},
+    "kv_allocator": {"paged_copy": "modserve.plugins.kv_allocators.paged:PagedAllocator",
+                     "radix_copy": "modserve.plugins.kv_allocators.radix:RadixAllocator"},
     "scheduler": {"fcfs_copy": "modserve.plugins.schedulers.fcfs:FCFSScheduler"},
     "sampler": {"default_copy": "modserve.samplers.default:DefaultSampler"},
     "grammar_backend": {"xgrammar_copy": "modserve.plugins.grammars.xgrammar_backend:XGrammarBackend"},

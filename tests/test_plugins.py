@@ -47,8 +47,8 @@ class CountingAttention:
 def test_builtins_register_through_entry_points():
     reg = builtin_registry()
     assert {"reference", "paged"} <= set(reg.names("attention_backend"))
-    assert reg.names("kv_allocator") == ["contiguous", "paged"]
-    assert reg.names("scheduler") == ["fcfs", "priority", "static"]
+    assert reg.names("kv_allocator") == ["contiguous", "paged", "radix"]
+    assert reg.names("scheduler") == ["fcfs", "lpm", "priority", "static"]
     assert reg.names("sampler") == ["default"]
     assert {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"} <= set(reg.names("model_architecture"))
     assert all(r.distribution == "modserve" for kind in reg.registrations().values() for r in kind.values())

@@ -13,10 +13,10 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
 SYSTEM = "You are a helpful assistant. Answer briefly and use the model token cache. " * 3
 
 
-def make_llm(path: str, caching: bool = True, **overrides) -> LLM:
+def make_llm(path: str, caching: bool = True, allocator: str = "paged", **overrides) -> LLM:
     overrides.setdefault("num_kv_blocks", 128)
     return LLM(path, dtype="float32", progress=False,
-               kv_allocator={"name": "paged", "options": {"enable_prefix_caching": caching}}, **overrides)
+               kv_allocator={"name": allocator, "options": {"enable_prefix_caching": caching}}, **overrides)
 
 
 def workload(tok) -> list[list[list[int]]]:
@@ -36,17 +36,18 @@ def run_waves(llm: LLM, waves) -> list[list[int]]:
     return [o.outputs[0].token_ids for wave in waves for o in llm.generate(wave, GREEDY, use_tqdm=False)]
 
 
-def test_output_identical_with_caching_on_and_off(llama_dir):
+@pytest.mark.parametrize("allocator", ["paged", "radix"])
+def test_output_identical_with_caching_on_and_off(llama_dir, allocator):
     off = make_llm(llama_dir, caching=False)
     waves = workload(off.get_tokenizer())
     expected = run_waves(off, waves)
-    on = make_llm(llama_dir)
+    on = make_llm(llama_dir, allocator=allocator)
     assert run_waves(on, waves) == expected
     stats = on.engine.stats()
     assert stats["allocator_prefix_hit_tokens"] > 0.5 * stats["allocator_prefix_queried_tokens"]
     assert on.engine.counters["computed_tokens"] < off.engine.counters["computed_tokens"]
     # Eviction pressure: a pool that cannot keep everything cached.
-    tight = make_llm(llama_dir, num_kv_blocks=12, max_model_len=192)
+    tight = make_llm(llama_dir, allocator=allocator, num_kv_blocks=12, max_model_len=192)
     assert run_waves(tight, waves) == expected
     assert tight.engine.stats()["allocator_evictions"] > 0
 
@@ -69,12 +70,13 @@ def test_shared_system_prompt_skips_prefill(llama_dir):
         [o.outputs[0].token_ids for o in ref.generate(prompts, GREEDY, use_tqdm=False)]
 
 
-def test_swap_and_recompute_preemption_match_unpreempted(llama_dir):
+@pytest.mark.parametrize("allocator", ["paged", "radix"])
+def test_swap_and_recompute_preemption_match_unpreempted(llama_dir, allocator):
     prompts = [f"prompt {i}: " + "the model token cache " * (3 + i) for i in range(6)]
     params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
     expected = [o.outputs[0].token_ids for o in make_llm(llama_dir).generate(prompts, params, use_tqdm=False)]
     for mode in ("recompute", "swap"):
-        llm = make_llm(llama_dir, num_kv_blocks=12, max_model_len=192, preemption_mode=mode, num_swap_blocks=64)
+        llm = make_llm(llama_dir, allocator=allocator, num_kv_blocks=12, max_model_len=192, preemption_mode=mode, num_swap_blocks=64)
         outs = llm.generate(prompts, params, use_tqdm=False)
         stats = llm.engine.stats()
         assert stats[f"preemptions_{mode}"] > 0, stats
@@ -93,8 +95,9 @@ def test_seeded_sampling_identical_under_swap(llama_dir):
     assert llm.engine.stats()["preemptions_swap"] > 0
 
 
-def test_n4_shares_prompt_blocks(llama_dir):
-    llm = make_llm(llama_dir, num_kv_blocks=256, max_model_len=512)
+@pytest.mark.parametrize("allocator", ["paged", "radix"])
+def test_n4_shares_prompt_blocks(llama_dir, allocator):
+    llm = make_llm(llama_dir, allocator=allocator, num_kv_blocks=256, max_model_len=512)
     eng = llm.engine
     tok = llm.get_tokenizer()
     prompt = tok.encode("shared prompt " * 40)[:103]  # ends mid-block: the partial block is copied on write

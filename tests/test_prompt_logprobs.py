@@ -118,8 +118,9 @@ def test_chunked_prefill_matches_transformers(llama_dir, hf, prompts):
         check_entries(out.prompt_logprobs, ids, hf[1](ids), 2)
 
 
-def test_prefix_cache_is_skipped_for_prompt_logprobs(llama_dir, hf, prompts):
-    llm = make_llm(llama_dir, kv_allocator={"name": "paged", "options": {"enable_prefix_caching": True}})
+@pytest.mark.parametrize("allocator", ["paged", "radix"])
+def test_prefix_cache_is_skipped_for_prompt_logprobs(llama_dir, hf, prompts, allocator):
+    llm = make_llm(llama_dir, kv_allocator={"name": allocator, "options": {"enable_prefix_caching": True}})
     eng, ids = llm.engine, prompts[2] * 2  # 4 full blocks of 16 and more
     stats = eng.allocator.stats
     plain = SamplingParams(temperature=0.0, max_tokens=2)

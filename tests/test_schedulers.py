@@ -46,9 +46,12 @@ def expected(llama_dir) -> list[list[int]]:
         dict(scheduler="priority", max_num_batched_tokens=24),
         dict(scheduler="priority", num_kv_blocks=10, max_model_len=160),  # with preemption
         dict(scheduler="static", num_kv_blocks=10, max_model_len=160),
+        dict(kv_allocator="radix", max_num_batched_tokens=7, block_size=4),  # radix tree, chunks inside blocks
+        dict(kv_allocator="radix", num_kv_blocks=10, max_model_len=160),  # radix tree under preemption
+        dict(scheduler="lpm", kv_allocator="radix", max_num_batched_tokens=24),
     ],
     ids=["fcfs-chunk1", "fcfs-chunk7-block4", "fcfs-chunk16", "fcfs-long-prefill8", "fcfs-nochunk", "static", "priority",
-         "priority-preempt", "static-preempt"],
+         "priority-preempt", "static-preempt", "radix-chunk7-block4", "radix-preempt", "lpm-radix"],
 )
 def test_greedy_identical_under_every_policy(llama_dir, expected, overrides):
     llm = make_llm(llama_dir, **overrides)
@@ -61,6 +64,33 @@ def run_to_end(eng) -> list[str]:
     while eng.has_unfinished_requests():
         finished += [o.request_id for o in eng.step() if o.finished]
     return finished
+
+
+@pytest.mark.parametrize("allocator", ["paged", "radix"])
+def test_lpm_admits_the_longest_cached_prefix_first(llama_dir, allocator):
+    """One sequence slot: fcfs runs the requests in arrival order; lpm first runs the one
+    whose prompt the prefix cache holds (cached by an earlier request), with the same output."""
+    stem = list(range(10, 74))  # 4 full blocks
+    prompts = {"cold": list(range(200, 240)), "warm-short": stem[:20] + [5, 6], "warm": stem + [7, 8]}
+    finished, outputs = {}, {}
+    for policy in ("fcfs", "lpm"):
+        llm = make_llm(llama_dir, scheduler=policy, max_num_seqs=1,
+                       kv_allocator={"name": allocator, "options": {"enable_prefix_caching": True}})
+        llm.generate([stem + [1]], GREEDY, use_tqdm=False)  # caches the stem
+        eng = llm.engine
+        for rid, prompt in prompts.items():
+            eng.add_request(rid, prompt, GREEDY)
+        outs = {}
+        finished[policy] = []
+        while eng.has_unfinished_requests():
+            for o in eng.step():
+                if o.finished:
+                    finished[policy].append(o.request_id)
+                    outs[o.request_id] = o.outputs[0].token_ids
+        outputs[policy] = outs
+    assert finished["fcfs"] == ["cold", "warm-short", "warm"]
+    assert finished["lpm"] == ["warm", "warm-short", "cold"]
+    assert outputs["lpm"] == outputs["fcfs"]
 
 
 def test_nochunk_requires_budget_for_a_whole_prompt(llama_dir):

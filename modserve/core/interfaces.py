@@ -224,6 +224,11 @@ class KVAllocator(ABC):
         Allocators without a prefix cache return 0."""
         return 0
 
+    def cached_prefix_tokens(self, seq: Sequence) -> int:
+        """How many tokens ``match_prefix(seq)`` would attach now; changes nothing (a
+        scheduling policy may ask it of waiting sequences). Default: 0."""
+        return 0
+
     def mark_computed(self, seq: Sequence) -> None:
         """Called after a step wrote KV up to ``seq.num_computed_tokens``, so full
         blocks can be published to a prefix cache. Default: nothing."""
@@ -312,6 +317,11 @@ class SchedulerView(ABC):
     @abstractmethod
     def blocks_freed_by(self, seq: Sequence) -> int:
         """Blocks that preempting ``seq`` gives back."""
+
+    def cached_tokens(self, seq: Sequence) -> int:
+        """Tokens of waiting ``seq``'s prompt the prefix cache holds now (what admitting it
+        would skip). Default: 0, a view without a prefix cache."""
+        return 0
 
 
 class Scheduler(ABC):

@@ -97,6 +97,9 @@ class SchedulerCore(SchedulerView):
     def blocks_freed_by(self, seq: Sequence) -> int:
         return self.allocator.blocks_freed_by(seq)
 
+    def cached_tokens(self, seq: Sequence) -> int:
+        return self.allocator.cached_prefix_tokens(seq)
+
     # -- queue changes ----------------------------------------------------------
     def add(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING

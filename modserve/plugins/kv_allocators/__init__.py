@@ -14,3 +14,9 @@ def register_kv_allocators(register) -> None:
         "modserve.plugins.kv_allocators.contiguous:ContiguousAllocator",
         description="baseline: each sequence reserves max_model_len tokens when admitted",
     )
+    register(
+        "radix",
+        "modserve.plugins.kv_allocators.radix:RadixAllocator",
+        options="modserve.plugins.kv_allocators.radix:RadixOptions",
+        description="paged blocks with a radix-tree prefix cache (SGLang's RadixCache); LRU leaf eviction",
+    )

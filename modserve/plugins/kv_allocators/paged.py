@@ -146,6 +146,13 @@ class PagedAllocator(KVAllocator):
         self.published[seq.seq_id] = len(seq.block_ids)
         return hit
 
+    def cached_prefix_tokens(self, seq: Sequence) -> int:
+        if not self.caching or seq.block_ids:
+            return 0
+        # NOTE: _keys only extends seq.block_hashes, a memo of the keys match_prefix computes too.
+        keys = self._keys(seq, (seq.num_tokens - 1) // self.block_size)
+        return next((i for i, key in enumerate(keys) if key not in self.cached), len(keys)) * self.block_size
+
     def mark_computed(self, seq: Sequence) -> None:
         if not self.caching:
             return

@@ -20,3 +20,8 @@ def register_schedulers(register) -> None:
         options="modserve.plugins.schedulers.priority:PriorityOptions",
         description="lower priority value first, preempts lower-priority work, ages waiting requests",
     )
+    register(
+        "lpm",
+        "modserve.plugins.schedulers.lpm:LPMScheduler",
+        description="longest cached prefix first (SGLang's lpm): waiting prompts the prefix cache holds most of go first",
+    )
