@@ -100,6 +100,16 @@ def add_parsers(sub: Any) -> None:
                    help="fail (exit 1) when fewer requests than this fraction agree exactly")
     p.add_argument("--max-logit-diff", type=float, default=None,
                    help="fail (exit 1) when the max logit difference exceeds this")
+    g = p.add_argument_group("quality gates (run through A and B after the speed runs; docs/evaluation.md)")
+    g.add_argument("--eval-task", metavar="FILE", help="a JSONL loglikelihood task (modserve eval task's format)")
+    g.add_argument("--eval-text", metavar="FILE", help="a text whose rolling-window perplexity is measured")
+    g.add_argument("--eval-max-length", type=int, default=None,
+                   help="perplexity window, tokens (default: 1024, at most max_model_len - 1 of both)")
+    g.add_argument("--eval-stride", type=int, default=None, help="perplexity stride (default: max length / 2)")
+    g.add_argument("--min-task-accuracy-delta", type=float, default=None, metavar="X",
+                   help="fail (exit 1) when acc(B) - acc(A) < X, e.g. -0.02; needs --eval-task")
+    g.add_argument("--max-perplexity-ratio", type=float, default=None, metavar="R",
+                   help="fail (exit 1) when ppl(B) / ppl(A) > R, e.g. 1.01; needs --eval-text")
     p.add_argument("--out-dir", default="build/compare", help="where compare.md and compare.png go")
     p.set_defaults(func=cmd_compare)
 
@@ -449,6 +459,20 @@ def cmd_compare(args: argparse.Namespace) -> int:
     from modserve.core.config import load_config_file
     from modserve.vllm_compat import engine_config
 
+    if args.min_task_accuracy_delta is not None and not args.eval_task:
+        print("compare: --min-task-accuracy-delta needs --eval-task FILE (the task it gates)", file=sys.stderr)
+        return 2
+    if args.max_perplexity_ratio is not None and not args.eval_text:
+        print("compare: --max-perplexity-ratio needs --eval-text FILE (the text it gates)", file=sys.stderr)
+        return 2
+    if args.eval_task:  # a bad task file fails before any engine loads
+        from modserve.bench.evaluate import TaskFileError, load_task
+
+        try:
+            load_task(args.eval_task)
+        except TaskFileError as e:
+            print(f"compare: {e}", file=sys.stderr)
+            return 2
     pinning = pin(args)
     overrides = engine_overrides(args)  # the engine flags, applied to both
     configs = [engine_config(load_config_file(path), **overrides) for path in (args.config_a, args.config_b)]
@@ -466,7 +490,14 @@ def cmd_compare(args: argparse.Namespace) -> int:
     labels = labels_for(args.config_a, args.config_b)
     result = compare(llm_a, llm_b, labels, requests, args.repeats, args.warmups,
                      args.probe_prompts, args.probe_tokens)
-    failures = verdict(result, args.min_agreement, args.max_logit_diff)
+    if args.eval_task or args.eval_text:
+        from modserve.bench.compare import evaluate_quality
+
+        max_length = args.eval_max_length or min(1024, *(x.engine.max_model_len - 1 for x in (llm_a, llm_b)))
+        result.quality = evaluate_quality(dict(zip(labels, (llm_a, llm_b))), args.eval_task, args.eval_text,
+                                          max_length, args.eval_stride)
+    failures = verdict(result, args.min_agreement, args.max_logit_diff, args.min_task_accuracy_delta,
+                       args.max_perplexity_ratio)
     context = [f"`{labels[0]}`: {_changed(configs[0], configs[1])}",
                f"`{labels[1]}`: {_changed(configs[1], configs[0])}",
                *(f"- {line}" for line in _header(llm_a, pinning)),

@@ -13,6 +13,9 @@ What is compared, exactly:
 - speed: the workload is timed on A, B, A, B, ... (``repeats`` pairs after warm-up) so
   that drift of a shared machine hits both alike; ratios are taken per pair, then
   reported as median [min-max].
+- quality (``--eval-task``, ``--eval-text``; after the speed runs): a loglikelihood task's
+  accuracy and a text's rolling-window perplexity through each engine's prompt logprobs
+  (modserve/bench/evaluate.py), gated on acc(B) - acc(A) and ppl(B) / ppl(A).
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ class Comparison:
     max_logit_diff: float
     probe_steps: int  # logit rows compared
     runs: dict[str, list[Run]]
+    quality: "Quality | None" = None
 
     def figures(self) -> dict[str, list[dict[str, float]]]:
         out = {}
@@ -105,13 +109,75 @@ def compare(llm_a: Any, llm_b: Any, labels: tuple[str, str], requests: Sequence[
     return Comparison(labels, len(requests), rate, diverged, diff, steps, runs)
 
 
-def verdict(c: Comparison, min_agreement: float, max_logit_diff: float | None) -> list[str]:
+@dataclass(slots=True)
+class Quality:
+    """Per label: ``score_task``'s figures (without per-example rows), ``text_perplexity``'s."""
+    task: dict[str, dict[str, Any]] | None = None
+    perplexity: dict[str, dict[str, Any]] | None = None
+
+
+def evaluate_quality(llms: dict[str, Any], task: str | Path | None, text: str | Path | None,
+                     max_length: int, stride: int | None) -> Quality:
+    from modserve.bench.evaluate import OfflineScorer, load_task, plain_encoder, score_task, text_perplexity
+
+    examples = load_task(task) if task else None
+    q = Quality()
+    if examples is not None:
+        q.task = {}
+        for label, llm in llms.items():
+            result = score_task(OfflineScorer(llm), plain_encoder(llm.get_tokenizer().hf), examples)
+            q.task[label] = {k: v for k, v in result.items() if k != "per_example"}
+    if text:
+        body = Path(text).read_text()
+        q.perplexity = {label: text_perplexity(OfflineScorer(llm), llm.get_tokenizer().hf, body, max_length, stride)
+                        for label, llm in llms.items()}
+    return q
+
+
+def quality_verdict(q: Quality, labels: tuple[str, str], min_task_accuracy_delta: float | None,
+                    max_perplexity_ratio: float | None) -> list[str]:
+    a, b = labels
+    why = []
+    if min_task_accuracy_delta is not None and q.task is not None:
+        delta = q.task[b]["acc"] - q.task[a]["acc"]
+        if not delta >= min_task_accuracy_delta:
+            why.append(f"task accuracy gate: acc(B) - acc(A) = {q.task[b]['acc']:.4f} - {q.task[a]['acc']:.4f} "
+                       f"= {delta:+.4f} is under {min_task_accuracy_delta:+.4f}")
+    if max_perplexity_ratio is not None and q.perplexity is not None:
+        ratio = q.perplexity[b]["perplexity"] / q.perplexity[a]["perplexity"]
+        if not ratio <= max_perplexity_ratio:
+            why.append(f"perplexity gate: ppl(B) / ppl(A) = {q.perplexity[b]['perplexity']:.4f} / "
+                       f"{q.perplexity[a]['perplexity']:.4f} = {ratio:.4f} exceeds {max_perplexity_ratio:.4f}")
+    return why
+
+
+def quality_lines(q: Quality, labels: tuple[str, str]) -> list[str]:
+    a, b = labels
+    lines = ["## Quality", ""]
+    if q.task is not None:
+        metrics = [k for k in ("acc", "acc_norm", "mean_loglikelihood") if k in q.task[a]]
+        lines += [f"Task ({q.task[a]['kind']}, {q.task[a]['examples']} examples):", "",
+                  "| metric | " + " | ".join(labels) + " | B - A |", "|---|---|---|---|",
+                  *(f"| {m} | {q.task[a][m]:.4f} | {q.task[b][m]:.4f} | {q.task[b][m] - q.task[a][m]:+.4f} |"
+                    for m in metrics), ""]
+    if q.perplexity is not None:
+        pa, pb = q.perplexity[a], q.perplexity[b]
+        lines += [f"Perplexity ({pa['tokens']} tokens, {pa['windows']} windows of {pa['max_length']}, "
+                  f"stride {pa['stride']}): {a} {pa['perplexity']:.4f}, {b} {pb['perplexity']:.4f}, "
+                  f"B / A {pb['perplexity'] / pa['perplexity']:.4f}", ""]
+    return lines
+
+
+def verdict(c: Comparison, min_agreement: float, max_logit_diff: float | None,
+            min_task_accuracy_delta: float | None = None, max_perplexity_ratio: float | None = None) -> list[str]:
     """Why the comparison fails its thresholds (empty when it passes)."""
     why = []
     if c.agreement < min_agreement:
         why.append(f"greedy agreement {c.agreement:.1%} is under {min_agreement:.1%}")
     if max_logit_diff is not None and not c.max_logit_diff <= max_logit_diff:
         why.append(f"max logit difference {c.max_logit_diff:.3g} exceeds {max_logit_diff:.3g}")
+    if c.quality is not None:
+        why += quality_verdict(c.quality, c.labels, min_task_accuracy_delta, max_perplexity_ratio)
     return why
 
 
@@ -134,6 +200,8 @@ def markdown(c: Comparison, title: str, context: Sequence[str], failures: Sequen
         "TTFT and E2E are per request, all requests submitted at once.", "",
         spread_table(c.figures()), "",
     ]
+    if c.quality is not None:
+        lines += quality_lines(c.quality, c.labels)
     if figure:
         lines += [f"![latency CDFs and throughput]({figure})", ""]
     return "\n".join(lines)
