@@ -47,7 +47,7 @@ def test_output_identical_with_caching_on_and_off(llama_dir, allocator):
     assert stats["allocator_prefix_hit_tokens"] > 0.5 * stats["allocator_prefix_queried_tokens"]
     assert on.engine.counters["computed_tokens"] < off.engine.counters["computed_tokens"]
     # Eviction pressure: a pool that cannot keep everything cached.
-    tight = make_llm(llama_dir, allocator=allocator, num_kv_blocks=12, max_model_len=192)
+    tight = make_llm(llama_dir, allocator=allocator, num_kv_blocks=8, max_model_len=128)
     assert run_waves(tight, waves) == expected
     assert tight.engine.stats()["allocator_evictions"] > 0
 

@@ -171,18 +171,29 @@ def test_copy_on_write_of_a_shared_partial_block_after_fork(make):
     free(alloc, child)
 
 
-def test_duplicate_content_stays_private_and_is_cached_once(make):
+def test_duplicate_content_is_adopted_and_what_follows_it_is_cached(make):
+    """Two prompts sharing 2 blocks, prefilled side by side (neither could hit the other): the
+    second swaps its copies of the shared blocks for the tree's (SGLang's insert) and frees
+    them, so its own third block is published below the shared prefix and a later prompt
+    that extends it hits all three."""
     alloc = make()
-    a, b = seq(0, list(range(9))), seq(1, list(range(9)))
-    for s in (a, b):  # prefilled side by side: neither could hit the other
-        assert alloc.match_prefix(s) == 0 and alloc.allocate(s, 9)
+    a, b = seq(0, list(range(8)) + [50, 51, 52, 53, 99]), seq(1, list(range(8)) + [60, 61, 62, 63, 99])
     for s in (a, b):
-        s.num_computed_tokens = 9
+        assert alloc.match_prefix(s) == 0 and alloc.allocate(s, 13)
+    free_before = alloc.num_free_blocks()
+    own_copies = b.block_ids[:2]
+    for s in (a, b):
+        s.num_computed_tokens = 13
         alloc.mark_computed(s)
         alloc.check_integrity([a, b])
-    assert alloc.stats()["cached_blocks"] == 2 and set(a.block_ids).isdisjoint(b.block_ids)
-    free(alloc, b, holders=(a,))
-    free(alloc, a)
+    assert b.block_ids[:2] == a.block_ids[:2] and b.block_ids[2] != a.block_ids[2]  # adopted, then its own
+    assert alloc.num_free_blocks() == free_before + 2 and all(blk in alloc.free_plain for blk in own_copies)
+    assert alloc.stats()["cached_blocks"] == 4  # the shared 2 once, each prompt's third
+    assert edges(alloc.root) == {0: (2, {50: (1, {}), 60: (1, {})})}
+    c = seq(2, list(range(8)) + [60, 61, 62, 63, 7, 7])
+    assert admit(alloc, c, a, b) == 12
+    free(alloc, b, holders=(a, c))
+    free(alloc, a, c)
 
 
 def test_trim_below_the_path_shortens_it(make):

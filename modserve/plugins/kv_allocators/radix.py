@@ -39,8 +39,9 @@ class RadixAllocator(KVAllocator):
     there, are the first entries of its block table; it locks every node on it. So a tree
     block is held iff its node is locked, and an unlocked node (all its subtree unlocked
     too) is evictable: those blocks count as free. A block whose content is already in the
-    tree under another block id stays the sequence's private block, and the sequence stops
-    publishing (its later blocks hang off a prefix the tree holds elsewhere).
+    tree under another block id (two sequences computed the same prefix in one step) is
+    swapped for the tree's block and freed, as SGLang does, so the sequence's path goes on
+    and its later blocks are published below it.
     Eviction takes one block at a time from the tail of the least recently used unlocked
     leaf (a heap keyed by last access, lazily invalidated), so a prefix outlives its
     extensions and no more is evicted than asked for.
@@ -64,6 +65,7 @@ class RadixAllocator(KVAllocator):
         self.queried_tokens = 0
         self.hit_tokens = 0
         self.evictions = 0
+        self.adopted = 0  # blocks swapped for the tree's copy of the same content (freeing the duplicate)
 
     # -- counting -------------------------------------------------------------------
     def num_free_blocks(self) -> int:
@@ -295,6 +297,11 @@ class RadixAllocator(KVAllocator):
         if node.end != start:
             return  # stopped publishing earlier: its blocks hang off a prefix held elsewhere
         node, i = self._follow(seq, node, start, full, own=True)
+        while i < full:  # blocks the tree holds under other ids: adopt those, free the copies
+            node, adopted = self._adopt(seq, node, i, full)
+            if not adopted:
+                break
+            node, i = self._follow(seq, node, i + adopted, full, own=True)
         if i < full and self._key(seq.token_ids, i) not in node.children \
                 and all(b not in self.block_node for b in seq.block_ids[i:full]):
             bs = self.block_size
@@ -304,9 +311,27 @@ class RadixAllocator(KVAllocator):
                 self.block_node[b] = child
             self.evictable += len(child.blocks)  # unlocked until the path below takes it
             node, i = child, full
-        # else: the content is in the tree under other blocks; this sequence's stay private.
         self._set_path(seq.seq_id, node)
         self._touch(node)
+
+    def _adopt(self, seq: Sequence, node: RadixNode, i: int, limit: int) -> tuple[RadixNode, int]:
+        """Point ``seq``'s blocks ``i ..`` at the tree's blocks of the same content below ``node``
+        (another sequence computed the same prefix in the same step) and release its own, as
+        SGLang does: its path then goes on through the tree, and its later blocks are published
+        below it. Returns the node reached and how many blocks were adopted.
+        NOTE: safe between steps: the KV in both is the same tokens' at the same positions, and
+        every step reads the block table afresh."""
+        shared, j = self._follow(seq, node, i, limit, own=False)
+        walk, blocks = shared, []
+        while walk is not node:
+            blocks[:0] = walk.blocks
+            walk = walk.parent
+        for k, block in enumerate(blocks, start=i):
+            self.ref_counts[block] += 1
+            self._release(seq.block_ids[k])  # private: never in the tree (published blocks stop at i)
+            seq.block_ids[k] = block
+        self.adopted += len(blocks)
+        return shared, j - i
 
     def reset_prefix_cache(self) -> None:
         stack = list(self.root.children.values())
