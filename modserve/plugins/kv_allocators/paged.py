@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import hashlib
 from array import array
-from collections import Counter, OrderedDict, deque
+from collections import OrderedDict, deque
 from typing import Iterable
 
 from pydantic import BaseModel, ConfigDict
 
-from modserve.api import KVAllocator, Sequence
+from modserve.api import Sequence
+from modserve.plugins.kv_allocators.refcounted import RefCountedAllocator
 
 
 class PagedOptions(BaseModel):
@@ -17,7 +18,7 @@ class PagedOptions(BaseModel):
     enable_prefix_caching: bool = True
 
 
-class PagedAllocator(KVAllocator):
+class PagedAllocator(RefCountedAllocator):
     """Fixed-size blocks on demand, ref-counted, with full blocks cached by content.
 
     NOTE: a full block's key is sha256(parent key + its token ids), so a key names
@@ -31,33 +32,14 @@ class PagedAllocator(KVAllocator):
                  options: PagedOptions | None = None) -> None:
         super().__init__(num_blocks, block_size, max_model_len, options)
         self.caching = (options or PagedOptions()).enable_prefix_caching
-        self.ref_counts = [0] * num_blocks
         self.block_key: list[bytes | None] = [None] * num_blocks
         self.cached: dict[bytes, int] = {}  # key -> block holding it
         self.free_plain: deque[int] = deque(range(num_blocks))  # no key: reuse first
         self.free_cached: OrderedDict[int, None] = OrderedDict()  # keyed, least recently freed first
-        self.published: dict[int, int] = {}  # seq_id -> leading blocks already offered to the cache
-        self.copies: list[tuple[int, int]] = []
-        self.queried_tokens = 0
-        self.hit_tokens = 0
-        self.evictions = 0
 
     # -- counting -------------------------------------------------------------------
     def num_free_blocks(self) -> int:
         return len(self.free_plain) + len(self.free_cached)
-
-    def blocks_needed(self, seq: Sequence, num_tokens: int) -> int:
-        return super().blocks_needed(seq, num_tokens) + int(self._needs_copy(seq, num_tokens))
-
-    def blocks_freed_by(self, seq: Sequence) -> int:
-        return sum(1 for b in seq.block_ids if self.ref_counts[b] == 1)
-
-    def _needs_copy(self, seq: Sequence, num_tokens: int) -> bool:
-        # The next write lands inside an existing block that someone else also holds.
-        pos = seq.num_computed_tokens
-        idx = pos // self.block_size
-        return num_tokens > pos and pos % self.block_size != 0 and idx < len(seq.block_ids) \
-            and self.ref_counts[seq.block_ids[idx]] > 1
 
     # -- allocate / free --------------------------------------------------------------
     def _take(self) -> int:
@@ -79,42 +61,9 @@ class PagedAllocator(KVAllocator):
             else:
                 self.free_cached[block] = None
 
-    def allocate(self, seq: Sequence, num_tokens: int) -> bool:
-        if self.blocks_needed(seq, num_tokens) > self.num_free_blocks():
-            return False
-        if self._needs_copy(seq, num_tokens):
-            idx = seq.num_computed_tokens // self.block_size
-            shared = seq.block_ids[idx]
-            own = self._take()
-            self.copies.append((shared, own))
-            self._release(shared)
-            seq.block_ids[idx] = own
-        for _ in range(-(-num_tokens // self.block_size) - len(seq.block_ids)):
-            seq.block_ids.append(self._take())
-        return True
-
-    def free(self, seq: Sequence) -> None:
-        # Tail first, so a sequence's last blocks (least likely shared) are evicted first.
-        for block in reversed(seq.block_ids):
-            self._release(block)
-        seq.block_ids.clear()
-        self.published.pop(seq.seq_id, None)
-
-    def trim(self, seq: Sequence, num_tokens: int) -> None:
-        keep = -(-num_tokens // self.block_size)
-        while len(seq.block_ids) > keep:
-            self._release(seq.block_ids.pop())
-
     def fork(self, parent: Sequence, child: Sequence) -> None:
-        for block in parent.block_ids:
-            self.ref_counts[block] += 1
-        child.block_ids = list(parent.block_ids)
-        child.block_hashes = list(parent.block_hashes)
+        self._share(parent, child)
         self.published[child.seq_id] = self.published.get(parent.seq_id, 0)
-
-    def take_copies(self) -> list[tuple[int, int]]:
-        copies, self.copies = self.copies, []
-        return copies
 
     # -- prefix cache -------------------------------------------------------------------
     def _keys(self, seq: Sequence, num_blocks: int) -> list[bytes]:
@@ -156,17 +105,15 @@ class PagedAllocator(KVAllocator):
     def mark_computed(self, seq: Sequence) -> None:
         if not self.caching:
             return
-        full = seq.num_computed_tokens // self.block_size
-        start = self.published.get(seq.seq_id, 0)
-        if full <= start:
+        blocks = self._newly_full(seq)
+        if not blocks:
             return
-        keys = self._keys(seq, full)
-        for i in range(start, full):
+        keys = self._keys(seq, blocks.stop)
+        for i in blocks:
             block, key = seq.block_ids[i], keys[i]
             if self.block_key[block] is None and key not in self.cached:
                 self.block_key[block] = key
                 self.cached[key] = block
-        self.published[seq.seq_id] = full
 
     def reset_prefix_cache(self) -> None:
         for block in self.cached.values():
@@ -195,16 +142,7 @@ class PagedAllocator(KVAllocator):
         assert all(self.block_key[b] == k for k, b in self.cached.items()), "the prefix cache names a stale block"
         assert self.num_free_blocks() == len(plain) + len(cached)
         if holders is not None:
-            counts = Counter(b for seq in holders for b in seq.block_ids)
-            wrong = [(b, self.ref_counts[b], counts[b]) for b in range(n) if self.ref_counts[b] != counts[b]]
-            assert not wrong, "reference counts differ from the holders' tables: " + ", ".join(
-                f"block {b} counts {refs}, {held} tables hold it" for b, refs, held in wrong[:5])
+            self.check_reference_counts(holders)
 
-    def stats(self) -> dict[str, float]:
-        return {
-            **super().stats(),
-            "cached_blocks": len(self.cached),
-            "prefix_queried_tokens": self.queried_tokens,
-            "prefix_hit_tokens": self.hit_tokens,
-            "evictions": self.evictions,
-        }
+    def num_cached_blocks(self) -> int:
+        return len(self.cached)

@@ -10,7 +10,8 @@ from typing import Iterable
 
 from pydantic import BaseModel, ConfigDict
 
-from modserve.api import KVAllocator, Sequence
+from modserve.api import Sequence
+from modserve.plugins.kv_allocators.refcounted import RefCountedAllocator
 
 
 class RadixOptions(BaseModel):
@@ -32,7 +33,7 @@ class RadixNode:
     alive: bool = True
 
 
-class RadixAllocator(KVAllocator):
+class RadixAllocator(RefCountedAllocator):
     """Fixed-size blocks on demand, ref-counted, with full blocks cached in a radix tree.
 
     NOTE: invariants. A sequence's *path* is the deepest tree node whose blocks, root to
@@ -51,7 +52,6 @@ class RadixAllocator(KVAllocator):
                  options: RadixOptions | None = None) -> None:
         super().__init__(num_blocks, block_size, max_model_len, options)
         self.caching = (options or RadixOptions()).enable_prefix_caching
-        self.ref_counts = [0] * num_blocks
         self.free_plain: deque[int] = deque(range(num_blocks))  # not in the tree: reuse first
         self.root = RadixNode(None, (), [], 0)
         self.block_node: dict[int, RadixNode] = {}  # tree block -> its node
@@ -60,30 +60,11 @@ class RadixAllocator(KVAllocator):
         self.tiebreak = itertools.count()
         self.clock = itertools.count(1)
         self.paths: dict[int, RadixNode] = {}  # seq_id -> its path's deepest node
-        self.published: dict[int, int] = {}  # seq_id -> leading blocks already offered to the tree
-        self.copies: list[tuple[int, int]] = []
-        self.queried_tokens = 0
-        self.hit_tokens = 0
-        self.evictions = 0
         self.adopted = 0  # blocks swapped for the tree's copy of the same content (freeing the duplicate)
 
     # -- counting -------------------------------------------------------------------
     def num_free_blocks(self) -> int:
         return len(self.free_plain) + self.evictable
-
-    def blocks_needed(self, seq: Sequence, num_tokens: int) -> int:
-        return super().blocks_needed(seq, num_tokens) + int(self._needs_copy(seq, num_tokens))
-
-    def blocks_freed_by(self, seq: Sequence) -> int:
-        # Exact: a tree block held once is held by this sequence's path alone.
-        return sum(1 for b in seq.block_ids if self.ref_counts[b] == 1)
-
-    def _needs_copy(self, seq: Sequence, num_tokens: int) -> bool:
-        # The next write lands inside an existing block that someone else also holds.
-        pos = seq.num_computed_tokens
-        idx = pos // self.block_size
-        return num_tokens > pos and pos % self.block_size != 0 and idx < len(seq.block_ids) \
-            and self.ref_counts[seq.block_ids[idx]] > 1
 
     # -- allocate / free --------------------------------------------------------------
     def _take(self) -> int:
@@ -98,26 +79,9 @@ class RadixAllocator(KVAllocator):
         if self.ref_counts[block] == 0 and block not in self.block_node:
             self.free_plain.append(block)
 
-    def allocate(self, seq: Sequence, num_tokens: int) -> bool:
-        if self.blocks_needed(seq, num_tokens) > self.num_free_blocks():
-            return False
-        if self._needs_copy(seq, num_tokens):
-            idx = seq.num_computed_tokens // self.block_size
-            shared = seq.block_ids[idx]
-            own = self._take()
-            self.copies.append((shared, own))
-            self._release(shared)
-            seq.block_ids[idx] = own
-        for _ in range(-(-num_tokens // self.block_size) - len(seq.block_ids)):
-            seq.block_ids.append(self._take())
-        return True
-
     def free(self, seq: Sequence) -> None:
         self._set_path(seq.seq_id, None)
-        for block in reversed(seq.block_ids):
-            self._release(block)
-        seq.block_ids.clear()
-        self.published.pop(seq.seq_id, None)
+        super().free(seq)
 
     def trim(self, seq: Sequence, num_tokens: int) -> None:
         keep = -(-num_tokens // self.block_size)
@@ -125,20 +89,12 @@ class RadixAllocator(KVAllocator):
         if path is not None and path.end > keep:  # the path must stay within the table
             self._set_path(seq.seq_id, self._node_ending_at(path, keep))
             self.published[seq.seq_id] = min(self.published.get(seq.seq_id, 0), keep)
-        while len(seq.block_ids) > keep:
-            self._release(seq.block_ids.pop())
+        super().trim(seq, num_tokens)
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
-        for block in parent.block_ids:
-            self.ref_counts[block] += 1
-        child.block_ids = list(parent.block_ids)
-        child.block_hashes = list(parent.block_hashes)
+        self._share(parent, child)
         self._set_path(child.seq_id, self.paths.get(parent.seq_id))
         self.published[child.seq_id] = self.published.get(parent.seq_id, 0)
-
-    def take_copies(self) -> list[tuple[int, int]]:
-        copies, self.copies = self.copies, []
-        return copies
 
     # -- the tree -----------------------------------------------------------------------
     def _key(self, tokens: list[int] | tuple[int, ...], i: int) -> tuple[int, ...]:
@@ -288,11 +244,10 @@ class RadixAllocator(KVAllocator):
     def mark_computed(self, seq: Sequence) -> None:
         if not self.caching:
             return
-        full = seq.num_computed_tokens // self.block_size
-        start = self.published.get(seq.seq_id, 0)
-        if full <= start:
+        blocks = self._newly_full(seq)
+        if not blocks:
             return
-        self.published[seq.seq_id] = full
+        start, full = blocks.start, blocks.stop
         node = self.paths.get(seq.seq_id, self.root)
         if node.end != start:
             return  # stopped publishing earlier: its blocks hang off a prefix held elsewhere
@@ -401,21 +356,12 @@ class RadixAllocator(KVAllocator):
         assert self.num_free_blocks() == len(plain) + evictable
         if holders is not None:
             holders = list(holders)
-            counts = Counter(b for seq in holders for b in seq.block_ids)
-            wrong = [(b, self.ref_counts[b], counts[b]) for b in range(n) if self.ref_counts[b] != counts[b]]
-            assert not wrong, "reference counts differ from the holders' tables: " + ", ".join(
-                f"block {b} counts {refs}, {held} tables hold it" for b, refs, held in wrong[:5])
+            self.check_reference_counts(holders)
             for seq in holders:
                 node = self.paths.get(seq.seq_id)
                 if node is not None:
                     assert seq.block_ids[node.end - len(node.blocks):node.end] == node.blocks, (
                         f"sequence {seq.seq_id}'s path is not the start of its block table")
 
-    def stats(self) -> dict[str, float]:
-        return {
-            **super().stats(),
-            "cached_blocks": len(self.block_node),
-            "prefix_queried_tokens": self.queried_tokens,
-            "prefix_hit_tokens": self.hit_tokens,
-            "evictions": self.evictions,
-        }
+    def num_cached_blocks(self) -> int:
+        return len(self.block_node)
