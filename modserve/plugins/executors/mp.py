@@ -112,9 +112,13 @@ def worker_main(spec: WorkerSpec, driver_pid: int) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     threading.Thread(target=_watch_parent, args=(driver_pid,), name="modserve-watchdog", daemon=True).start()
     run_worker(spec)
-    # Told to stop and out of the group: exit now. A spawned process otherwise finalizes the
-    # interpreter, and a C++ thread torch.distributed leaves behind (gloo's) can abort it there
-    # ("terminate called without an active exception", SIGABRT) after a clean stop.
+    # Told to stop and out of the group: wait for the threads the interpreter would wait for
+    # (a plugin's), then exit without finalizing it: there a C++ thread torch.distributed
+    # leaves behind (gloo's) can abort the process ("terminate called without an active
+    # exception", SIGABRT) after a clean stop.
+    for thread in threading.enumerate():
+        if thread is not threading.current_thread() and not thread.daemon:
+            thread.join()
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
