@@ -325,6 +325,7 @@ def cmd_latency(args: argparse.Namespace) -> int:
     from modserve.bench.offline import single_stream
     from modserve.bench.plan import ModelShape, hardware, plan
     from modserve.bench.report import spread_table
+    from modserve.bench.roofline import compute_fraction
     from modserve.bench.vllm_baseline import VLLMUnavailable
 
     pinning = pin(args)
@@ -357,7 +358,8 @@ def cmd_latency(args: argparse.Namespace) -> int:
     if hw_name:
         dtype = str(llm.engine.dtype).removeprefix("torch.")
         kv_dtype = "fp8" if llm.config.kv_cache_dtype == "fp8_e4m3" else None
-        p = plan(ModelShape.load(llm.config.model), hardware(hw_name, dtype), dtype, kv_dtype,
+        shape, hw = ModelShape.load(llm.config.model), hardware(hw_name, dtype)  # the CPU's measured once
+        p = plan(shape, hw, dtype, kv_dtype,
                  context_len=args.input_len + args.output_len // 2,
                  # what a decode step reads: quantized or not, a 16-bit decode copy if one is kept
                  weight_bytes=llm.engine.runner.decode_weight_bytes)
@@ -367,9 +369,9 @@ def cmd_latency(args: argparse.Namespace) -> int:
               f"{p.weight_bytes / 2**20:.0f} MiB of weights + KV per step)")
         result["ceiling_tok_s"] = p.decode_ceiling_tok_s
         ttft = Spread.of([r["TTFT ms"] for r in runs]).median / 1e3
-        if ceiling := _compute_ceiling(args, llm, [(args.input_len, 1)], ttft):
-            print(ceiling[1].line(hw_name, f"prefill of {args.input_len} tokens (TTFT)"))
-            result["prefill_compute_ceiling_fraction"] = ceiling[1].fraction
+        prefill = compute_fraction(shape, hw, dtype, [(args.input_len, 1)], ttft)
+        print(prefill.line(hw_name, f"prefill of {args.input_len} tokens (TTFT)"))
+        result["prefill_compute_ceiling_fraction"] = prefill.fraction
     _write_json(output_path(args, "latency"), result)
     return 0
 

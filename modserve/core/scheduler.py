@@ -194,7 +194,7 @@ class SchedulerCore(SchedulerView):
             seq.num_computed_tokens, m = 0, n
         if seq.num_cached_tokens < 0:  # vLLM's RequestOutput.num_cached_tokens: the first admission's hit
             seq.num_cached_tokens = seq.num_computed_tokens
-        return m if seq.num_computed_tokens else n
+        return m  # n when nothing matched (n <= the sequence's tokens) or the match was dropped
 
     def _allocate(self, seq: Sequence, num_tokens: int) -> None:
         """``allocator.allocate``, checked: it must succeed (the schedule was checked against

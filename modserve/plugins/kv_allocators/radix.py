@@ -60,7 +60,6 @@ class RadixAllocator(RefCountedAllocator):
         self.tiebreak = itertools.count()
         self.clock = itertools.count(1)
         self.paths: dict[int, RadixNode] = {}  # seq_id -> its path's deepest node
-        self.adopted = 0  # blocks swapped for the tree's copy of the same content (freeing the duplicate)
 
     # -- counting -------------------------------------------------------------------
     def num_free_blocks(self) -> int:
@@ -285,7 +284,6 @@ class RadixAllocator(RefCountedAllocator):
             self.ref_counts[block] += 1
             self._release(seq.block_ids[k])  # private: never in the tree (published blocks stop at i)
             seq.block_ids[k] = block
-        self.adopted += len(blocks)
         return shared, j - i
 
     def reset_prefix_cache(self) -> None:

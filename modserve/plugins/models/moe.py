@@ -35,7 +35,7 @@ class Experts(nn.Module):
     def __init__(self, num_experts: int, hidden: int, intermediate: int, make_linear: LinearFactory) -> None:
         super().__init__()
         i, tp = intermediate, make_linear.tp
-        self.num_experts, self.tp = num_experts, tp
+        self.tp = tp
         self.expert_parallel = make_linear.expert_parallel and tp.size > 1
         self.first, count = expert_share(num_experts, tp.rank, tp.size) if self.expert_parallel else (0, num_experts)
         column, row = (None, None) if self.expert_parallel else ("column", "row")
@@ -101,7 +101,6 @@ class SparseMoeBlock(nn.Module):
         # Tokens routed to each expert so far (a token counts once per expert it picks): the
         # engine's per-expert load figures. Zeroed after loading (the model is built on "meta").
         self.register_buffer("expert_tokens", torch.zeros(num_experts, dtype=torch.int64), persistent=False)
-
         self.block_id = next(_block_ids)  # how the compiled graph's opaque op finds this block
         _BLOCKS[self.block_id] = self
 
@@ -114,7 +113,6 @@ class SparseMoeBlock(nn.Module):
         if self.shared_expert is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return out
-
 
     def routed_experts(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """``[T, hidden]``: each token through its top-k experts (``ids``, ``weights`` ``[T, K]``), weighted."""
