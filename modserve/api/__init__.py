@@ -31,8 +31,9 @@ if TYPE_CHECKING:  # for type checkers and IDEs; at run time each name is import
     from modserve.core.batch import build_batch
     from modserve.core.forward_context import attention, forward_context
     from modserve.core.interfaces import (
-        AttentionBackend, AttentionMetadata, AttentionSpec, CausalLM, CudaGraphSupport, Executor, FinishedModel,
-        GrammarBackend, GrammarMatcher, GrammarVocab, GraphSettings, KVAllocator, LinearSpec, ModelLoad, MoEBackend,
+        AttentionBackend, AttentionMetadata, AttentionSpec, BlockTransfer, CausalLM, CudaGraphSupport, Executor,
+        FinishedModel, GrammarBackend, GrammarMatcher, GrammarVocab, GraphSettings, KVAllocator, KVConnector,
+        KVConnectorContext, LinearSpec, ModelLoad, MoEBackend,
         Platform, Proposal, Proposer,
         ProposerContext, Quantizer, Sampler, SamplerOutput, SamplingBatch, Schedule, Scheduler,
         SchedulerLimits, SchedulerView, StepForward, TensorLayout, WorkerSpec)
@@ -58,8 +59,9 @@ _WHERE: dict[str, str] = {name: module for module, names in (
     ("modserve.core.batch", "build_batch"),
     ("modserve.core.forward_context", "attention forward_context"),
     ("modserve.core.interfaces",
-     "AttentionBackend AttentionMetadata AttentionSpec CausalLM CudaGraphSupport Executor FinishedModel "
-     "GrammarBackend GrammarMatcher GrammarVocab GraphSettings KVAllocator LinearSpec ModelLoad MoEBackend "
+     "AttentionBackend AttentionMetadata AttentionSpec BlockTransfer CausalLM CudaGraphSupport Executor "
+     "FinishedModel GrammarBackend GrammarMatcher GrammarVocab GraphSettings KVAllocator KVConnector "
+     "KVConnectorContext LinearSpec ModelLoad MoEBackend "
      "Platform Proposal Proposer ProposerContext Quantizer Sampler SamplerOutput "
      "SamplingBatch Schedule Scheduler SchedulerLimits SchedulerView StepForward TensorLayout WorkerSpec"),
     ("modserve.core.linear",

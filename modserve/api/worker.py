@@ -47,6 +47,7 @@ def run_worker(spec: WorkerSpec) -> None:
         while True:
             method, args = tp.broadcast()
             if method == STOP:
+                runner.close()
                 break
             getattr(runner, method)(*on_device(args, runner.device))
     finally:

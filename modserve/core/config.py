@@ -142,6 +142,15 @@ class EngineConfig(BaseModel):
         10.0, gt=0, description="Seconds a grammar may take to compile; past it that request is refused "
         "(400 at the server) and the compile finishes in the background for the cache")
     speculative: SpeculativeConfig | None = Field(None, description="Speculative decoding; off when unset")
+    kv_connector: PluginChoice | None = Field(
+        None, description="KV connector plugin: where full prompt blocks of KV go beyond this engine's cache "
+        "and come back from (shared_storage: files, shm: shared memory, host: a host-memory tier); off when unset")
+    kv_role: Literal["producer", "consumer", "both"] = Field(
+        "both", description="With kv_connector: producer saves prompt blocks, consumer loads them, both does "
+        "both (vLLM's kv_producer, kv_consumer, kv_both are accepted)")
+    kv_load_failure_policy: Literal["recompute", "fail"] = Field(
+        "recompute", description="With kv_connector: when a block cannot be loaded (missing, corrupt), compute "
+        "the prompt instead, or fail that request")
 
     @field_validator("model", "tokenizer", mode="before")
     @classmethod
@@ -161,6 +170,17 @@ class EngineConfig(BaseModel):
     def _on_off(cls, value: Any) -> Any:
         # YAML reads on/off/yes/no/true/false as booleans: `compile: off` means "off"
         return {True: "on", False: "off"}[value] if isinstance(value, bool) else value
+
+    @field_validator("kv_role", mode="before")
+    @classmethod
+    def _vllm_role(cls, value: Any) -> Any:
+        return value.removeprefix("kv_") if isinstance(value, str) else value  # vLLM's kv_producer
+
+    @model_validator(mode="after")
+    def _connector_layout(self) -> "EngineConfig":
+        if self.kv_connector is not None and self.pipeline_parallel_size > 1:
+            raise ValueError("kv_connector does not work with pipeline_parallel_size > 1 yet (tensor parallel does)")
+        return self
 
     @field_validator("served_model_name")
     @classmethod

@@ -22,7 +22,7 @@ from modserve.core.outputs import CompletionOutput, RequestMetrics, RequestOutpu
 from modserve.core.plugin_calls import calling
 from modserve.core.registry import PluginError, Registry, get_registry
 from modserve.core.sampling_params import SamplingParams
-from modserve.core.scheduler import SchedulerCore, SwapSpace
+from modserve.core.scheduler import ScheduledStep, SchedulerCore, SwapSpace
 from modserve.core.sequence import Sequence, SequenceStatus
 from modserve.core.spec_decode import SpecDecode
 from modserve.core.tokenizer import Tokenizer
@@ -96,7 +96,8 @@ class LLMEngine:
         limits = SchedulerLimits(config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len)
         policy = registry.create("scheduler", config.scheduler, limits)
         self.scheduler = SchedulerCore(policy, allocator, limits, config.scheduler.name, config.preemption_mode,
-                                       SwapSpace(num_host_blocks) if num_host_blocks else None)
+                                       SwapSpace(num_host_blocks) if num_host_blocks else None,
+                                       self.runner.connector, config.kv_role)
         self.allocator = allocator
         self.requests: dict[str, Request] = {}
         self._seq_ids = count()
@@ -133,6 +134,7 @@ class LLMEngine:
         if not self.stopped:
             self.stopped = True
             stop_ranks(self.executor, self.runner.tp, self.config.world_size, tell=self.ranks_in_step)
+            self.runner.close()
 
     def check_health(self) -> None:
         """EngineDeadError when a tensor-parallel worker is gone (the engine cannot step again)."""
@@ -423,14 +425,35 @@ class LLMEngine:
         self.spec.reserve(self.scheduler.running, self._max_tokens)
         scheduled = self.scheduler.step()
         self.spec.propose(scheduled)
+        failed = self._load_kv(scheduled) if scheduled.kv_loads else []
         if not scheduled.seqs:
-            return []
+            return failed
         output = self.runner.execute(scheduled)
         self.scheduler.update(scheduled, output)
         self.spec.count(scheduled, output)
         self.counters["computed_tokens"] += scheduled.num_tokens
         self.counters["steps"] += 1
-        return self._emit(output)
+        return failed + self._emit(output)
+
+    def _load_kv(self, scheduled: ScheduledStep) -> list[RequestOutput]:
+        """Load the blocks the KV connector holds for newly admitted sequences. One whose
+        load fails leaves the step: it computes its prompt later (``recompute``) or its
+        request ends with the error (``fail``)."""
+        transfers = [(seq, t) for seq, ts in scheduled.kv_loads.items() for t in ts]
+        failed = self.runner.load_kv([t for _, t in transfers])
+        if not failed:
+            return []
+        seqs = list(dict.fromkeys(transfers[i][0] for i in failed))
+        recompute = self.config.kv_load_failure_policy == "recompute"
+        logger.warning("kv connector: %d of %d blocks failed to load (%s ...); %s %d sequence(s)", len(failed),
+                       len(transfers), transfers[failed[0]][1].key[:16],
+                       "recomputing" if recompute else "failing", len(seqs))
+        self.scheduler.drop_failed_loads(scheduled, seqs, requeue=recompute)
+        if recompute:
+            return []
+        error = KVLoadError(f"the KV connector could not load {len(failed)} block(s) of this prompt "
+                            "(kv_load_failure_policy: fail)")
+        return [o for rid in dict.fromkeys(s.request_id for s in seqs) for o in self._fail_request(rid, error)]
 
     def _max_tokens(self, seq: Sequence) -> int:
         return self.requests[seq.request_id].max_tokens
@@ -537,6 +560,9 @@ class LLMEngine:
             "preemptions_swap": self.scheduler.preemptions["swap"],
             "blocks_swapped_out": self.scheduler.blocks_swapped["out"],
             "blocks_swapped_in": self.scheduler.blocks_swapped["in"],
+            **({f"kv_connector_blocks_{k}": v for k, v in self.scheduler.kv_blocks.items()}
+               | {f"kv_connector_{k}": v for k, v in self.runner.connector.stats().items()}
+               if self.runner.connector is not None else {}),
             **self.counters,
             **self.spec.counters,
             **{f"allocator_{k}": v for k, v in self.allocator.stats().items()},
@@ -544,6 +570,10 @@ class LLMEngine:
             "kv_cache_bytes": sum(c.numel() * c.element_size() for c in self.runner.kv_caches),
             **({"expert_tokens": load} if (load := self.runner.expert_load()) else {}),
         }
+
+
+class KVLoadError(RuntimeError):
+    """A KV connector could not load a request's blocks, and the policy is to fail it."""
 
 
 class EngineDeadError(RuntimeError):

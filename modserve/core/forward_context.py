@@ -14,7 +14,7 @@ from __future__ import annotations
 import contextlib
 import threading
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -44,6 +44,17 @@ def forward_context(backend: AttentionBackend, kv_caches: list[torch.Tensor], me
         _local.context = outer
 
 
+@contextlib.contextmanager
+def after_each_layer(hook: Callable[[int, torch.Tensor], None]) -> Iterator[None]:
+    """Call ``hook(layer, kv_cache)`` as each layer's attention has written its KV (a KV
+    connector saves it from there). Eager forwards only: a CUDA graph would not replay it."""
+    _local.after_layer = hook
+    try:
+        yield
+    finally:
+        _local.after_layer = None
+
+
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int) -> torch.Tensor:
     ctx: ForwardContext | None = getattr(_local, "context", None)
     if ctx is None:
@@ -56,6 +67,8 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int) -> to
     if not isinstance(out, torch.Tensor) or out.shape != q.shape or out.dtype != q.dtype:
         raise broke(ctx.backend, "attention_backend", "forward()", f"a tensor of q's shape {list(q.shape)} "
                     f"and dtype {str(q.dtype).removeprefix('torch.')}", described(out))
+    if (hook := getattr(_local, "after_layer", None)) is not None:
+        hook(layer, kv_cache)
     return out
 
 

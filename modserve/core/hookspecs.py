@@ -32,7 +32,7 @@ hookimpl = pluggy.HookimplMarker("modserve")
 # a major one may remove what the minor releases before it deprecated. A plugin declares the
 # version it was written for as ``MODSERVE_PLUGIN_API = "1.0"`` on its entry-point object;
 # the registry loads it when the major matches and its minor is not newer than ours.
-PLUGIN_API_VERSION = "1.0"
+PLUGIN_API_VERSION = "1.1"  # 1.1: the kv_connector kind
 
 
 class Register(Protocol):
@@ -102,6 +102,12 @@ def register_moe_backends(register: Register) -> None:
     layer computes its routed experts (``moe_backend: reference``, ``fused``)."""
 
 
+@hookspec
+def register_kv_connectors(register: Register) -> None:
+    """Register :class:`~modserve.core.interfaces.KVConnector` classes: where KV blocks go
+    beyond this engine's cache (``kv_connector: shared_storage``, ``shm``, ``host``)."""
+
+
 # kind -> hook name; the registry's single source of the kinds.
 KIND_HOOKS: dict[str, str] = {
     "attention_backend": "register_attention_backends",
@@ -115,4 +121,5 @@ KIND_HOOKS: dict[str, str] = {
     "platform": "register_platforms",
     "executor": "register_executors",
     "moe_backend": "register_moe_backends",
+    "kv_connector": "register_kv_connectors",
 }

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 from typing import Any, Iterator
@@ -38,6 +39,19 @@ def weight_files(model_dir: str | Path) -> list[Path]:
     if not files:
         raise ValueError(f"model directory {path} has no *.safetensors or pytorch_model*.bin weights")
     return files
+
+
+def checkpoint_digest(model_dir: str | Path) -> str:
+    """A short digest naming these weights: config.json, and each weight file's size and
+    first and last MiB (two random-weight checkpoints of one shape differ there)."""
+    digest = hashlib.sha256((Path(model_dir) / "config.json").read_bytes())
+    for path in weight_files(model_dir):
+        size = path.stat().st_size
+        with path.open("rb") as f:
+            head = f.read(1 << 20)
+            f.seek(max(0, size - (1 << 20)))
+            digest.update(f"{path.name}:{size}".encode() + head + f.read())
+    return digest.hexdigest()[:16]
 
 
 def iter_weights(model_dir: str | Path, progress: bool = True) -> Iterator[tuple[str, torch.Tensor]]:

@@ -15,12 +15,14 @@ import torch
 from modserve.core.batch import build_batch, micro_batch_count, split_batch
 from modserve.core.config import EngineConfig
 from modserve.core.grammar import fill_token_bitmask
-from modserve.core.interfaces import (AttentionMetadata, AttentionSpec, GraphSettings, ModelLoad, Platform,
-                                      SamplerOutput, SamplingBatch, StepForward)
+from modserve.core.forward_context import after_each_layer
+from modserve.core.interfaces import (AttentionMetadata, AttentionSpec, BlockTransfer, GraphSettings, KVConnector,
+                                      KVConnectorContext, ModelLoad, Platform, SamplerOutput, SamplingBatch,
+                                      StepForward)
 from modserve.core.linear import default_dtype, finish_linears, linear_factory, model_bytes
-from modserve.core.loader import checkpoint_dtype, iter_weights
+from modserve.core.loader import checkpoint_digest, checkpoint_dtype, iter_weights
 from modserve.core.parallel import PipelineStage, RanksOutOfStep, TensorParallel
-from modserve.core.plugin_calls import calling, sampled_ids
+from modserve.core.plugin_calls import broke, calling, described, sampled_ids
 from modserve.core.quantization import kv_cache_dtype, select_quantizer
 from modserve.core.registry import Registry
 from modserve.core.sampling import add_logprobs
@@ -146,6 +148,13 @@ class ModelRunner:
         self.vocab_size = hf_config.vocab_size
         self.sampler = registry.create("sampler", config.sampler, self.vocab_size)
         self.model = self._load_model(registry, max_model_len, progress)
+        self.connector: KVConnector | None = None
+        if config.kv_connector is not None:
+            layout = (f"{config.attention_backend.name}:{self.attn.kv_cache_shape(1)}:{self.attn_spec.kv_cache_dtype}:"
+                      f"k{self.attn_spec.k_scale}v{self.attn_spec.v_scale}:tp{tp.size}")
+            self.connector = registry.create("kv_connector", config.kv_connector, KVConnectorContext(
+                config.kv_role, self.attn_spec, self.layers, f"{checkpoint_digest(config.model)}-{layout}",
+                tp.rank, tp.size))
         self.max_model_len = max_model_len
         self.kv_caches: list[torch.Tensor] = []
         self.step_forward: StepForward = self._forward  # the platform's CUDA graphs, once the cache exists
@@ -216,6 +225,9 @@ class ModelRunner:
         kv_dtype = self.attn_spec.kv_cache_dtype
         self.kv_caches = [torch.zeros(shape if i in self.layers else 0, dtype=kv_dtype, device=self.device)
                           for i in range(self.attn_spec.num_layers)]  # another stage's layers: empty
+        if self.connector is not None:
+            with calling(self.connector, "kv_connector", "register_kv_caches()"):
+                self.connector.register_kv_caches(self.kv_caches)
         host_shape = self.attn.kv_cache_shape(num_host_blocks)
         pin = self.device.type == "cuda"
         self.host_caches = [torch.zeros(host_shape if i in self.layers else 0, dtype=kv_dtype, pin_memory=pin)
@@ -252,8 +264,9 @@ class ModelRunner:
         scheduled tokens (its drafts last); sample for the sequences whose last token the
         step reaches, and verify the drafts of those that speculate."""
         batch = self._prepare(scheduled.seqs, scheduled.num_new_tokens, scheduled.draft_tokens)
+        saves = [t for ts in scheduled.kv_saves.values() for t in ts]
         logits = self.run_model(scheduled.copies, scheduled.swap_out, scheduled.swap_in, batch.input_ids,
-                                batch.meta, [batch.sample_rows, batch.spec_rows, batch.prompt_rows])
+                                batch.meta, [batch.sample_rows, batch.spec_rows, batch.prompt_rows], saves)
         out, parts = ModelOutput(), []
         if batch.sampled:
             seqs, samples, tokens = self._sample(batch.sampled, logits[0])
@@ -274,11 +287,24 @@ class ModelRunner:
     @torch.inference_mode()
     def run_model(self, copies: list[tuple[int, int]], swap_out: list[tuple[int, int]],
                   swap_in: list[tuple[int, int]], input_ids: torch.Tensor, meta: AttentionMetadata,
-                  logit_rows: list[torch.Tensor]) -> list[torch.Tensor | None]:
-        """The step's tensor work, on every rank: block moves, the forward, then the logits
-        ``[R, vocab]`` of each set of rows (None for an empty one)."""
+                  logit_rows: list[torch.Tensor], kv_saves: list[BlockTransfer] | None = None) -> list[torch.Tensor | None]:
+        """The step's tensor work, on every rank: block moves, the forward (saving the KV
+        connector's blocks as each layer writes them), then the logits ``[R, vocab]`` of
+        each set of rows (None for an empty one)."""
         self.move_blocks(copies, swap_out, swap_in)
         pp = self.pp
+        if kv_saves:  # eager: a CUDA graph would not replay the saves
+            connector = self.connector
+
+            def save(layer: int, kv_cache: torch.Tensor) -> None:
+                with calling(connector, "kv_connector", "save_layer()"):
+                    connector.save_layer(layer, kv_cache, kv_saves)
+
+            with after_each_layer(save):
+                hidden = self._forward(input_ids, meta)
+            with calling(connector, "kv_connector", "finish_saves()"):
+                connector.finish_saves()
+            return [self.model.compute_logits(hidden[rows]) if rows.numel() else None for rows in logit_rows]
         if pp.size == 1:
             hidden = self.step_forward(input_ids, meta)  # [T, hidden]
             return [self.model.compute_logits(hidden[rows]) if rows.numel() else None for rows in logit_rows]
@@ -305,6 +331,30 @@ class ModelRunner:
         if self.tp.rank == 0:
             pp.logits_to_rank0(joined)
         return joined
+
+    @on_every_rank
+    @torch.inference_mode()
+    def load_kv(self, transfers: list[BlockTransfer]) -> list[int]:
+        """The KV connector loads these blocks on every rank; the indices of those that
+        failed on any rank (in order), which all ranks then drop."""
+        connector = self.connector
+        with calling(connector, "kv_connector", "load()"):
+            failed = connector.load(transfers)
+        if not isinstance(failed, list) or not all(isinstance(i, int) and 0 <= i < len(transfers) for i in failed):
+            raise broke(connector, "kv_connector", "load()", f"a list of indices in [0, {len(transfers)})",
+                        described(failed))
+        if self.tp.size > 1:  # a block one rank could not load is lost to every rank
+            flags = torch.zeros(len(transfers), device=self.device)
+            flags[failed] = 1.0
+            failed = self.tp.all_reduce(flags).nonzero().flatten().tolist()
+        return sorted(set(failed))
+
+    def close(self) -> None:
+        """The engine stops: the KV connector lets go of what it holds."""
+        if self.connector is not None:
+            with calling(self.connector, "kv_connector", "close()"):
+                self.connector.close()
+            self.connector = None
 
     def _prompt_logprobs(self, logits: torch.Tensor, batch: ModelInput) -> SamplerOutput:
         """Log-softmax (float32, of the raw logits) at every prompt row, read at the next

@@ -10,11 +10,13 @@ queues nor the allocator itself: every change goes through this object.
 
 from __future__ import annotations
 
+import hashlib
 from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
-from modserve.core.interfaces import KVAllocator, Schedule, Scheduler, SchedulerLimits, SchedulerView
+from modserve.core.interfaces import (BlockTransfer, KVAllocator, KVConnector, KVRole, Schedule, Scheduler,
+                                      SchedulerLimits, SchedulerView)
 from modserve.core.plugin_calls import broke, calling, described, failed, who
 from modserve.core.registry import PluginError
 from modserve.core.sequence import Sequence, SequenceStatus
@@ -60,6 +62,10 @@ class ScheduledStep:
     # distributions they were drawn from (absent: drawn deterministically, q one-hot).
     draft_tokens: dict[Sequence, list[int]] = field(default_factory=dict)
     draft_probs: dict[Sequence, torch.Tensor] = field(default_factory=dict)
+    # A KV connector's work: blocks of newly admitted sequences to load before the forward,
+    # and full prompt blocks complete by the end of the step to save as they are written.
+    kv_loads: dict[Sequence, list[BlockTransfer]] = field(default_factory=dict)
+    kv_saves: dict[Sequence, list[BlockTransfer]] = field(default_factory=dict)
 
     @property
     def num_tokens(self) -> int:
@@ -69,7 +75,8 @@ class ScheduledStep:
 class SchedulerCore(SchedulerView):
     def __init__(self, policy: Scheduler, allocator: KVAllocator, limits: SchedulerLimits, policy_name: str,
                  preemption_mode: Literal["recompute", "swap"] = "recompute",
-                 swap_space: SwapSpace | None = None) -> None:
+                 swap_space: SwapSpace | None = None, connector: KVConnector | None = None,
+                 kv_role: KVRole = "both") -> None:
         self.policy = policy
         self.allocator = allocator
         self.limits = limits
@@ -82,6 +89,9 @@ class SchedulerCore(SchedulerView):
         self.preemptions = {"recompute": 0, "swap": 0}
         self.blocks_swapped = {"out": 0, "in": 0}
         self._swapped_in: list[int] = []  # host blocks this step copies back; free once it ran
+        self.connector = connector
+        self.kv_role = kv_role
+        self.kv_blocks = {"loaded": 0, "saved": 0, "load_failed": 0}  # the connector's blocks, moved
 
     @property
     def num_preemptions(self) -> int:
@@ -156,16 +166,23 @@ class SchedulerCore(SchedulerView):
         reserved = sum(needs)
         for (seq, n), need in zip(schedule.tokens.items(), needs):
             reserved -= need
+            external = 0
             if seq.status is SequenceStatus.WAITING:
                 self.waiting.remove(seq)
                 # NOTE: a cached prefix has no logits: prompt logprobs recompute it (vLLM's rule).
                 if not seq.block_ids and seq.params.prompt_logprobs is None:
-                    n = self._match_prefix(seq, n, self.free_blocks() - reserved)
+                    n, external = self._match_prefix(seq, n, self.free_blocks() - reserved)
             elif seq.status is SequenceStatus.SWAPPED:
                 self.swapped.remove(seq)
             if seq.status is not SequenceStatus.RUNNING:
                 self.running.append(seq)
             self._allocate(seq, seq.num_computed_tokens + n)
+            if external:
+                first = (seq.num_computed_tokens - external) // self.allocator.block_size
+                out.kv_loads[seq] = [BlockTransfer(seq.kv_keys[j], seq.block_ids[j])
+                                     for j in range(first, first + external // self.allocator.block_size)]
+            if self.connector is not None and self.kv_role != "consumer":
+                self._plan_saves(seq, n, out)
             if seq.status is SequenceStatus.SWAPPED:
                 host = self.swap_space.held.pop(seq.seq_id)
                 out.swap_in.extend(zip(host, seq.block_ids))
@@ -177,8 +194,9 @@ class SchedulerCore(SchedulerView):
         out.copies = self.allocator.take_copies()
         return out
 
-    def _match_prefix(self, seq: Sequence, n: int, available: int) -> int:
-        """Attach ``seq``'s cached prefix and return the tokens it computes now (``n`` at most).
+    def _match_prefix(self, seq: Sequence, n: int, available: int) -> tuple[int, int]:
+        """Attach ``seq``'s cached prefix, then what the KV connector holds beyond it, and
+        return the tokens it computes now (``n`` at most) and those the connector loads.
         The schedule was checked against an empty block table, but cached blocks that were
         free (evictable) leave the free pool too, and the chunk after the prefix may need
         blocks the checked one did not: if that is more than ``available``, the match is
@@ -186,15 +204,62 @@ class SchedulerCore(SchedulerView):
         allocator = self.allocator
         free = allocator.num_free_blocks()
         with calling(allocator, "kv_allocator", "match_prefix()"):
-            seq.num_computed_tokens = allocator.match_prefix(seq)
+            local = allocator.match_prefix(seq)
+        external = self._external_match(seq, local)
+        seq.num_computed_tokens = local + external
         m = min(n, seq.num_tokens - seq.num_computed_tokens)
         taken = free - allocator.num_free_blocks()
         if seq.num_computed_tokens and taken + allocator.blocks_needed(seq, seq.num_computed_tokens + m) > available:
             allocator.free(seq)
-            seq.num_computed_tokens, m = 0, n
+            seq.num_computed_tokens, m, external = 0, n, 0
         if seq.num_cached_tokens < 0:  # vLLM's RequestOutput.num_cached_tokens: the first admission's hit
             seq.num_cached_tokens = seq.num_computed_tokens
-        return m  # n when nothing matched (n <= the sequence's tokens) or the match was dropped
+        return m, external  # m is n when nothing matched (n <= the sequence's tokens) or the match was dropped
+
+    def _external_match(self, seq: Sequence, local: int) -> int:
+        """Tokens past the ``local`` cached prefix the connector can load: whole blocks, and
+        never the last token (its logits are computed). Also notes what the store holds."""
+        connector, size = self.connector, self.allocator.block_size
+        if connector is None or local % size:
+            return 0
+        if seq.kv_keys is None:
+            seq.kv_keys = block_keys(seq.prompt_token_ids, size)
+        usable = min(len(seq.kv_keys), (seq.num_tokens - 1) // size)
+        with calling(connector, "kv_connector", "stored_blocks()"):
+            stored = connector.stored_blocks(seq.kv_keys)
+        if not isinstance(stored, int) or not 0 <= stored <= len(seq.kv_keys):
+            raise broke(connector, "kv_connector", "stored_blocks()", f"an int in [0, {len(seq.kv_keys)}]",
+                        described(stored))
+        seq.kv_stored_blocks = stored
+        if self.kv_role == "producer" or seq.kv_load_failed:
+            return 0
+        return max(0, min(stored, usable) - local // size) * size
+
+    def _plan_saves(self, seq: Sequence, n: int, out: ScheduledStep) -> None:
+        """The prompt's full blocks complete once this step ran that the store lacks."""
+        size = self.allocator.block_size
+        if seq.kv_keys is None:
+            seq.kv_keys = block_keys(seq.prompt_token_ids, size)
+        done = min(len(seq.kv_keys), (seq.num_computed_tokens + n) // size)
+        if done > seq.kv_stored_blocks:
+            out.kv_saves[seq] = [BlockTransfer(seq.kv_keys[j], seq.block_ids[j])
+                                 for j in range(seq.kv_stored_blocks, done)]
+
+    def drop_failed_loads(self, scheduled: ScheduledStep, seqs: list[Sequence], requeue: bool) -> None:
+        """Take sequences whose KV could not be loaded out of the step and free their blocks;
+        with ``requeue`` they wait first in line to compute their prompts (no connector)."""
+        for seq in seqs:
+            i = scheduled.seqs.index(seq)
+            del scheduled.seqs[i], scheduled.num_new_tokens[i]
+            self.kv_blocks["load_failed"] += len(scheduled.kv_loads.pop(seq))
+            scheduled.kv_saves.pop(seq, None)
+            self.running.remove(seq)
+            self.allocator.free(seq)
+            seq.num_computed_tokens = 0
+            if requeue:
+                seq.kv_load_failed = True
+                seq.status = SequenceStatus.WAITING
+                self.waiting.appendleft(seq)
 
     def _allocate(self, seq: Sequence, num_tokens: int) -> None:
         """``allocator.allocate``, checked: it must succeed (the schedule was checked against
@@ -228,6 +293,10 @@ class SchedulerCore(SchedulerView):
             self.allocator.mark_computed(seq)
             if seq.pending_forks and seq.num_computed_tokens == seq.num_tokens:
                 self._fork(seq)
+        for seq, saves in scheduled.kv_saves.items():
+            seq.kv_stored_blocks += len(saves)
+            self.kv_blocks["saved"] += len(saves)
+        self.kv_blocks["loaded"] += sum(map(len, scheduled.kv_loads.values()))
         self._give_back_swapped_in()
 
     def _fork(self, parent: Sequence) -> None:
@@ -296,3 +365,14 @@ class SchedulerCore(SchedulerView):
         freed = sum(self.blocks_freed_by(s) for s in preempt)
         if blocks > self.free_blocks() + freed:
             raise refuse(f"needs {blocks} KV blocks, {self.free_blocks() + freed} are free")
+
+
+def block_keys(token_ids: list[int], block_size: int) -> list[str]:
+    """Content keys of the full blocks of ``token_ids``, each chained to the one before (a
+    block's key names every token up to its end): the same in every process and run."""
+    keys, parent = [], b""
+    for start in range(0, len(token_ids) - block_size + 1, block_size):
+        block = ",".join(map(str, token_ids[start:start + block_size])).encode()
+        parent = hashlib.sha256(parent + block).digest()
+        keys.append(parent.hex())
+    return keys

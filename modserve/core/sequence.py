@@ -54,6 +54,11 @@ class Sequence:
     stop_reason: int | str | None = None
     num_preemptions: int = 0
     num_cached_tokens: int = -1  # prompt tokens the prefix cache held when first admitted (-1: not yet)
+    # A KV connector's: the content keys of the prompt's full blocks (made once), how many of
+    # them the store holds (saves go on from there), and whether a load of them failed.
+    kv_keys: list[str] | None = None
+    kv_stored_blocks: int = 0
+    kv_load_failed: bool = False
     # Filled by the engine's output side.
     logprobs: list[dict[str, Any]] = field(default_factory=list)
     text: str = ""

@@ -66,11 +66,25 @@ class EngineStatsCollector(Collector):
         yield GaugeMetricFamily("modserve_kv_blocks_used", "KV cache blocks in use", value=float(_used(stats)))
         for name, key, doc in _COUNTERS:
             yield CounterMetricFamily(name, doc, value=float(stats.get(key, 0)))
+        yield from _kv_connector(stats)
         if stats.get("expert_tokens"):
             yield from _expert_load(stats["expert_tokens"])
         replicas = stats.get("replicas")
         if replicas:
             yield from _per_replica(replicas, stats.get("routing") or {})
+
+
+# A KV connector's counters (the core's blocks loaded, saved and failed; the connector's own,
+# such as the host tier's hits and bytes), each as modserve_kv_connector_*; sizes are gauges.
+_KV_CONNECTOR_GAUGES = ("kv_connector_host_blocks_total", "kv_connector_host_blocks_used")
+
+
+def _kv_connector(stats: dict[str, Any]) -> Iterator[Metric]:
+    for key, value in stats.items():
+        if key.startswith("kv_connector_") and isinstance(value, (int, float)):
+            doc = f"KV connector: {key.removeprefix('kv_connector_').replace('_', ' ')}"
+            family = GaugeMetricFamily if key in _KV_CONNECTOR_GAUGES else CounterMetricFamily
+            yield family(f"modserve_{key}", doc, value=float(value))
 
 
 def imbalance(counts: list[int]) -> float:
