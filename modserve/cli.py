@@ -407,7 +407,8 @@ def split_pytest_args(argv: list[str]) -> tuple[list[str], list[str]]:
 
 # Modules that add their own subcommands: each defines add_parsers(subparsers) and
 # imports anything heavy inside its command functions, so `modserve --help` stays fast.
-SUBCOMMAND_MODULES: tuple[str, ...] = ("modserve.server.cli", "modserve.bench.cli", "modserve.bench.eval_cli")
+SUBCOMMAND_MODULES: tuple[str, ...] = ("modserve.server.cli", "modserve.bench.cli", "modserve.bench.eval_cli",
+                                       "modserve.server.router_cli")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -430,7 +431,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("generate", help="generate text offline for one or more prompts",
                        description="Generate text offline. With neither --config nor a model, runs the "
-                                   "built-in demo model (random weights: its text is random).")
+                                   "built-in demo model (a 5M-parameter Llama trained on the King James Bible).")
     add_config_flags(p, positional_model=True)
     p.add_argument("--prompt", action="append", required=True, help="repeat for several prompts")
     p.add_argument("--max-tokens", type=int, default=64)

@@ -225,6 +225,51 @@ def test_plan_moe_by_hand(capsys):
     assert dense.active_params == dense.num_params and plan.plan(dense, plan.HARDWARE["h100"]).experts is None
 
 
+def test_plan_disaggregated_pools_by_hand(capsys):
+    """Llama-3-70B in fp8 on one H200 per instance, 2000-token prompts, 200-token answers, decode
+    batch 32, 40 req/s."""
+    shape = plan.ModelShape.load(LLAMA3_70B)
+    p = plan.plan(shape, plan.HARDWARE["h200"], dtype="fp8", kv_dtype="bfloat16")
+    params, kv = shape.num_params, 2 * 80 * 8 * 128 * 2  # 70.55 B weights of 1 byte, 320 KiB
+    d = plan.disaggregation(shape, p, plan.INTERCONNECTS["ib-ndr400"], 2000, 200, batch=32, request_rate=40)
+    # prefill: compute-bound, 2 P N + 2 L H d N^2 = 282.2 + 5.2 TFLOP at 1979 TFLOP/s = 145.3 ms
+    flops = 2 * params * 2000 + 2 * 80 * 64 * 128 * 2000**2
+    assert d.prefill_flops == flops and d.prefill_s == pytest.approx(flops / 1979e12)
+    assert 0.145 < d.prefill_s < 0.146
+    # decode: bandwidth-bound at batch 32, mean context 2000 + 200 / 2: (W + 32 x 2100 x kv) / BW = 19.29 ms
+    step = (params + 32 * 2100 * kv) / 4.8e12
+    assert d.decode_context == 2100 and d.decode_step_s == pytest.approx(step) and 0.0192 < step < 0.0193
+    assert d.decode_s == pytest.approx(200 * step / 32)  # 0.1205 instance-s: the step is shared by 32
+    # pools: 40 x 0.1453 = 5.81 prefill, 40 x 0.1205 = 4.82 decode instances busy
+    assert (d.prefill_instances, d.decode_instances) == (6, 5)
+    assert d.ratio == pytest.approx(d.decode_s / d.prefill_s) and 0.82 < d.ratio < 0.84
+    # KV: 2000 tokens x 320 KiB = 625 MiB over 50 GB/s = 13.1 ms (+ 10 us)
+    assert d.kv_bytes == 2000 * kv == 625 * 2**20
+    assert d.transfer_s == pytest.approx(10e-6 + 2000 * kv / 50e9)
+    assert d.batch_fits and d.max_batch == p.kv_tokens // 2200
+    assert d.ttft_s == pytest.approx(d.prefill_s + d.transfer_s + step)
+
+    tp2 = plan.disaggregation(shape, plan.plan(shape, plan.HARDWARE["h200"], dtype="fp8", kv_dtype="bfloat16", tp=2),
+                              plan.INTERCONNECTS["ib-ndr400"], 2000, 200, batch=32)
+    assert tp2.prefill_s == pytest.approx(d.prefill_s / 2) and tp2.kv_bytes == d.kv_bytes  # each device sends half
+    assert tp2.transfer_s == pytest.approx(10e-6 + 1000 * kv / 50e9) and tp2.prefill_instances is None
+
+    args = ["plan", "--model", str(LLAMA3_70B), "--hardware", "h200", "--dtype", "fp8", "--disaggregate",
+            "--input-len", "2000", "--output-len", "200", "--batch-size", "32", "--request-rate", "40",
+            "--interconnect", "ib-ndr400"]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "prefill pool    145.3 ms per request (287.46 TFLOP)" in out
+    assert "decode pool     19.29 ms per token at batch 32, context 2,100" in out
+    assert "pools           6 prefill : 5 decode at 40 req/s" in out
+    assert "KV transfer     625.0 MiB per request, 13.12 ms over ib-ndr400" in out
+    assert main([*args, "--json"]) == 0
+    part = json.loads(capsys.readouterr().out)["disaggregation"]
+    assert (part["prefill_instances"], part["decode_instances"], part["kv_bytes"]) == (6, 5, 625 * 2**20)
+    assert main(["plan", "--model", str(LLAMA3_70B), "--input-len", "2000"]) == 2
+    assert "add --disaggregate" in capsys.readouterr().err
+
+
 # -- offline benchmarks ------------------------------------------------------------------------------
 def test_bench_throughput_with_hf_baseline(llama_dir, tmp_path, capsys):
     out_json = tmp_path / "tput.json"

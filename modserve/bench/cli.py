@@ -135,6 +135,14 @@ def add_parsers(sub: Any) -> None:
     g.add_argument("--interconnect", choices=list(INTERCONNECTS),
                    help="without --allreduce-json: a preset link (default: the --hardware's; cpu: loopback-gloo)")
     g.add_argument("--micro-batches", type=int, default=None, help="in flight through the pipeline (default: --pp)")
+    g = p.add_argument_group("disaggregated prefill and decode (docs/disaggregation.md): a prefill pool and a "
+                             "decode pool of instances of these devices; --batch-size is the decode batch, "
+                             "--interconnect the link the KV crosses (ib-ndr400 between nodes)")
+    g.add_argument("--disaggregate", action="store_true", help="size the two pools for the workload below")
+    g.add_argument("--input-len", type=int, default=None, help="prompt tokens per request (needed)")
+    g.add_argument("--output-len", type=int, default=None, help="generated tokens per request (needed)")
+    g.add_argument("--request-rate", type=float, default=None,
+                   help="requests/s to size the pools for (default: only their ratio)")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_plan)
 
@@ -529,8 +537,8 @@ def _changed(config: Any, other: Any) -> str:
 def cmd_plan(args: argparse.Namespace) -> int:
     from dataclasses import asdict
 
-    from modserve.bench.plan import (MeasuredCollectives, ModelShape, hardware, interconnect, normalize_dtype,
-                                     pipeline, plan, tp_comms)
+    from modserve.bench.plan import (MeasuredCollectives, ModelShape, disaggregation, hardware, interconnect,
+                                     normalize_dtype, pipeline, plan, tp_comms)
 
     shape = ModelShape.load(args.model)
     dtype = normalize_dtype(args.dtype or shape.dtype)
@@ -564,16 +572,32 @@ def cmd_plan(args: argparse.Namespace) -> int:
         extra["tp_comms"] = tp_comms(shape, single, result, link, args.batch_size, note)
     if args.pp > 1:
         extra["pipeline"] = pipeline(shape, result, args.pp, args.micro_batches, args.batch_size)
+    if args.disaggregate:
+        if args.input_len is None or args.output_len is None:
+            raise ValueError("--disaggregate needs --input-len and --output-len")
+        link = interconnect(args.interconnect, args.hardware, args.allreduce_json)
+        extra["disaggregation"] = disaggregation(shape, result, link, args.input_len, args.output_len,
+                                                 args.batch_size, args.request_rate)
+    elif args.input_len is not None or args.output_len is not None or args.request_rate is not None:
+        raise ValueError("--input-len, --output-len and --request-rate size disaggregated pools: add --disaggregate")
     if args.json:
         out = asdict(result)
         for key, part in extra.items():
-            out[key] = {**asdict(part), **({"comms_s": part.comms_s, "step_s": part.step_s, "worth_it": part.worth_it,
-                                           "verdict": part.verdict()} if key == "tp_comms" else
-                                          {"bubble": part.bubble})}
+            out[key] = {**asdict(part), **derived(key, part)}
         print(json.dumps(out, indent=2))
     else:
         print("\n".join(result.lines() + [line for part in extra.values() for line in part.lines()]))
     return 0
+
+
+def derived(key: str, part: Any) -> dict[str, Any]:
+    """The properties of a plan's part, which asdict leaves out, for --json."""
+    if key == "tp_comms":
+        return {"comms_s": part.comms_s, "step_s": part.step_s, "worth_it": part.worth_it, "verdict": part.verdict()}
+    if key == "pipeline":
+        return {"bubble": part.bubble}
+    return {"ratio": part.ratio, "ttft_s": part.ttft_s, "prefill_instances": part.prefill_instances,
+            "decode_instances": part.decode_instances, "sizing": part.sizing()}
 
 
 def cmd_collectives(args: argparse.Namespace) -> int:

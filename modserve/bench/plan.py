@@ -347,6 +347,10 @@ INTERCONNECTS = {
     # practice. Latency: without peer-to-peer, NCCL stages through host memory (estimate).
     "pcie4": Interconnect("pcie4", 25e-6, 25e9, "PCIe 4.0 x16: 31.5 GB/s each way (PCI-SIG), "
                           "~25 practical; latency estimated"),
+    # NVIDIA ConnectX-7: NDR InfiniBand, 400 Gb/s per port = 50 GB/s each way; one NIC per GPU is
+    # the usual rail. Between nodes: prefill and decode instances apart (--disaggregate).
+    "ib-ndr400": Interconnect("ib-ndr400", 10e-6, 50e9, "NDR InfiniBand 400 Gb/s per GPU (ConnectX-7) = 50 GB/s "
+                              "each way; latency estimated"),
     # Measured 2026-12-02: modserve bench collectives --world-size 2 on the 2-core AMD EPYC dev box
     # (gloo over loopback, float32, 1 thread per rank, load average 4.4 from other jobs): medians
     # of 0.5-0.65 ms up to 64 KiB, 17 ms at 16 MiB (busbw ~1 GB/s), 0.5-0.8 GB/s from 1 to 8 MiB.
@@ -532,3 +536,104 @@ def pipeline(shape: ModelShape, p: Plan, pp: int, micro_batches: int | None = No
     act = activation_dtype(p.dtype)
     return PipelinePlan(pp, micro_batches or pp, batch, layers, shape.num_layers,
                         p.weight_bytes * stage_params / p.num_params, act, shape.hidden_size * DTYPE_BYTES[act], pp - 1)
+
+
+# -- disaggregated prefill and decode -----------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class Disaggregation:
+    """A prefill pool and a decode pool of instances (each ``tp`` devices of the plan) for a
+    workload of ``input_len``-token prompts and ``output_len``-token answers at ``request_rate``.
+
+    - prefill s per request = max(FLOPs / (tp F), weights / BW), FLOPs = 2 P_active N + 2 L H d N^2
+      (the causal attention's QK^T and PV): long prompts are compute-bound, and a prefill instance
+      runs one prompt's math at a time at full rate, so batching prompts buys it nothing
+    - decode step at batch B = max((weights + B c KV per token) / BW, 2 P_active B / (tp F)), c the
+      mean context over the answer, N + M / 2; the step gives each of the B sequences one token,
+      so a request costs M x step / B decode instance-seconds
+    - instances = request rate x instance-seconds per request, each pool rounded up
+    - KV moved per request = N x KV bytes per token, each device its share over its own link:
+      latency + N x KV per token per device / the link's bandwidth
+    """
+
+    input_len: int
+    output_len: int
+    batch: int
+    request_rate: float | None
+    tp: int
+    prefill_flops: float  # per request
+    prefill_s: float  # per request, one instance
+    decode_context: float  # mean tokens of KV a decode step reads per sequence
+    decode_step_s: float  # one step at the batch: one token for each of its sequences
+    decode_s: float  # decode instance-seconds per request: output_len x step / batch
+    kv_bytes: float  # per request, all devices: input_len x KV per token per device x tp
+    link: str
+    transfer_s: float  # per request
+    batch_fits: bool  # batch x (input_len + output_len) tokens of KV fit a decode instance
+    max_batch: int  # the largest that does
+
+    @property
+    def ratio(self) -> float:
+        """Decode instances per prefill instance, at any rate."""
+        return self.decode_s / self.prefill_s
+
+    @property
+    def prefill_instances(self) -> int | None:
+        return None if self.request_rate is None else max(1, math.ceil(self.request_rate * self.prefill_s - 1e-9))
+
+    @property
+    def decode_instances(self) -> int | None:
+        return None if self.request_rate is None else max(1, math.ceil(self.request_rate * self.decode_s - 1e-9))
+
+    @property
+    def ttft_s(self) -> float:
+        return self.prefill_s + self.transfer_s + self.decode_step_s
+
+    def sizing(self) -> str:
+        if self.request_rate is None:
+            return f"1 prefill : {self.ratio:,.2f} decode (instance-seconds per request; --request-rate sizes pools)"
+        return (f"{self.prefill_instances} prefill : {self.decode_instances} decode at {self.request_rate:g} "
+                f"req/s ({self.request_rate * self.prefill_s:,.2f} and {self.request_rate * self.decode_s:,.2f} "
+                f"busy; 1 : {self.ratio:,.2f} exactly), {self.tp} device(s) each")
+
+    def lines(self) -> list[str]:
+        ms = 1e3
+        fits = "" if self.batch_fits else f" (does not fit: at most batch {self.max_batch:,} of this KV)" \
+            if self.max_batch else " (does not fit: the weights leave no room for this KV; raise --tp)"
+        return [
+            f"disaggregated   {self.input_len:,} prompt + {self.output_len:,} output tokens per request",
+            f"prefill pool    {self.prefill_s * ms:,.1f} ms per request ({self.prefill_flops / 1e12:,.2f} TFLOP)"
+            f" = {self.prefill_s:,.4f} instance-s",
+            f"decode pool     {self.decode_step_s * ms:,.2f} ms per token at batch {self.batch}{fits}, context "
+            f"{self.decode_context:,.0f}: {self.output_len} x {self.decode_step_s * ms:,.2f} / {self.batch} = "
+            f"{self.decode_s:,.4f} instance-s per request",
+            f"pools           {self.sizing()}",
+            f"KV transfer     {self.kv_bytes / 2**20:,.1f} MiB per request, {self.transfer_s * ms:,.2f} ms over "
+            f"{self.link}",
+            f"first token     {self.ttft_s * ms:,.1f} ms unloaded: prefill + KV transfer + one decode step",
+        ]
+
+
+def disaggregation(shape: ModelShape, p: Plan, link: Interconnect | MeasuredCollectives, input_len: int,
+                   output_len: int, batch: int = 1, request_rate: float | None = None) -> Disaggregation:
+    """Size the pools of :class:`Disaggregation` on the devices of ``p`` (its dtype, KV dtype, tp)."""
+    if input_len < 1 or output_len < 1 or batch < 1:
+        raise ValueError(f"--input-len ({input_len}), --output-len ({output_len}) and --batch-size ({batch}) "
+                         "must be at least 1")
+    if request_rate is not None and request_rate <= 0:
+        raise ValueError(f"--request-rate {request_rate} must be above 0")
+    active = shape.active_params
+    n, kv = input_len, p.kv_bytes_per_token
+    flops = 2 * active * n + 2 * shape.num_layers * shape.num_heads * shape.head_dim * n * n
+    read_weights = p.weight_bytes / p.bandwidth
+    prefill_s = max(flops / (p.tp * p.flops), read_weights)
+    context = input_len + output_len / 2
+    step = max((p.weight_bytes + batch * context * kv) / p.bandwidth, 2 * active * batch / (p.tp * p.flops))
+    per_device = n * kv
+    # A point-to-point send: a preset's busbw is its link's each-way rate; a measured curve is
+    # read as an all-reduce of those bytes, which moves more than one send (an upper bound).
+    transfer = link.latency + per_device / link.busbw if isinstance(link, Interconnect) \
+        else link.time("all_reduce", per_device, 2)
+    max_batch = p.kv_tokens // (input_len + output_len)
+    return Disaggregation(input_len, output_len, batch, request_rate, p.tp, flops, prefill_s, context, step,
+                          output_len * step / batch, per_device * p.tp, link.describe(), transfer,
+                          batch <= max_batch, max_batch)
