@@ -354,7 +354,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 # The kinds the conformance kit checks (modserve.testing.conformance).
 CONFORMANCE_KINDS: tuple[str, ...] = (
     "attention_backend", "kv_allocator", "scheduler", "sampler", "grammar_backend", "quantizer", "proposer",
-    "executor")
+    "executor", "kv_connector")
 
 CONFORMANCE_HELP = f"""\
 Check plugin implementations against their kind's contract with the conformance kit

@@ -15,13 +15,15 @@ from typing import Any, ClassVar, Sequence as Seq
 import torch
 
 from modserve.api import (
-    AttentionBackend, AttentionMetadata, CudaGraphSupport, GrammarMatcher, Proposal, Register, Schedule, SchedulerLimits,
-    SchedulerView, Sequence, TensorLayout, WorkerSpec, hookimpl, read_kv, slots, write_kv)
+    AttentionBackend, AttentionMetadata, BlockTransfer, CudaGraphSupport, GrammarMatcher, KVConnectorContext, Proposal,
+    Register, Schedule, SchedulerLimits, SchedulerView, Sequence, TensorLayout, WorkerSpec, hookimpl, read_kv, slots,
+    write_kv)
 from modserve.api.fp8 import FP8
 from modserve.plugins.grammars.xgrammar_backend import XGrammarBackend
 from modserve.plugins.executors.mp import MultiprocessExecutor, MultiprocessOptions
 from modserve.plugins.executors.uni import UniExecutor
 from modserve.plugins.kv_allocators.paged import PagedAllocator
+from modserve.plugins.kv_connectors.host import HostMemoryConnector, HostMemoryOptions
 from modserve.plugins.proposers.ngram import NgramProposer
 from modserve.plugins.schedulers.fcfs import FCFSScheduler
 from modserve.quantizers.awq import AWQ
@@ -539,6 +541,50 @@ class ForgetUnknownRaises(NgramProposer):
         self.seen.remove(seq.seq_id)  # KeyError for a sequence it never saw
 
 
+# -- KV connectors: the host tier, a small pool, one fault each --------------------------------
+class SmallHost(HostMemoryConnector):
+    def __init__(self, context: KVConnectorContext, options: Any = None) -> None:
+        super().__init__(context, HostMemoryOptions(num_blocks=64))
+
+
+class LoadsTheWrongLayer(SmallHost):
+    def load(self, transfers: list[BlockTransfer]) -> list[int]:
+        failed = super().load(transfers)
+        for t in transfers:  # every layer gets the first one's block
+            for layer in self.context.layers[1:]:
+                self.kv_caches[layer][:, t.block_id] = self.kv_caches[self.context.layers[0]][:, t.block_id]
+        return failed
+
+
+class CountsEveryKey(SmallHost):
+    def stored_blocks(self, keys: list[str]) -> int:
+        return sum(k in self.slots for k in keys)
+
+
+class FailsTheRestAfterAMiss(SmallHost):
+    def load(self, transfers: list[BlockTransfer]) -> list[int]:
+        failed = super().load(transfers)
+        return list(range(failed[0], len(transfers))) if failed else failed
+
+
+class SavesAView(SmallHost):
+    def register_kv_caches(self, kv_caches: list[torch.Tensor]) -> None:
+        super().register_kv_caches(kv_caches)
+        self.views: dict[str, dict[int, torch.Tensor]] = {}
+
+    def save_layer(self, layer: int, kv_cache: torch.Tensor, transfers: list[BlockTransfer]) -> None:
+        super().save_layer(layer, kv_cache, transfers)
+        for t in transfers:
+            self.views.setdefault(t.key, {})[layer] = kv_cache[:, t.block_id]  # no copy
+
+    def load(self, transfers: list[BlockTransfer]) -> list[int]:
+        failed = super().load(transfers)
+        for t in transfers:
+            for layer, view in self.views.get(t.key, {}).items():
+                self.kv_caches[layer][:, t.block_id] = view
+        return failed
+
+
 # kind -> name -> implementation; a name says what is wrong with it.
 BROKEN: dict[str, dict[str, Any]] = {
     "attention_backend": {f: attention(f) for f in (
@@ -577,6 +623,8 @@ BROKEN: dict[str, dict[str, Any]] = {
     "executor": {"failed_never_says": FailedNeverSays, "failed_blocks": FailedBlocks,
                  "shutdown_forgets_workers": ShutdownForgetsWorkers, "shutdown_never_kills": ShutdownNeverKills,
                  "workers_get_another_model": WorkersGetAnotherModel, "uni_refuses_vaguely": UniRefusesVaguely},
+    "kv_connector": {"loads_the_wrong_layer": LoadsTheWrongLayer, "counts_every_key": CountsEveryKey,
+                     "fails_the_rest_after_a_miss": FailsTheRestAfterAMiss, "saves_a_view": SavesAView},
 }
 # The built-ins, under other names: the kit must pass them through this very plugin.
 CONTROLS: dict[str, dict[str, str]] = {
@@ -589,6 +637,8 @@ CONTROLS: dict[str, dict[str, str]] = {
     "quantizer": {"int8_copy": "modserve.quantizers.int8:Int8"},
     "proposer": {"ngram_copy": "modserve.plugins.proposers.ngram:NgramProposer"},
     "executor": {"quick_mp": f"{__name__}:QuickMp"},  # mp, as the broken ones are before their fault
+    "kv_connector": {"small_host": f"{__name__}:SmallHost",
+                     "shm_copy": "modserve.plugins.kv_connectors.shm:SharedMemoryConnector"},
 }
 
 # A built-in that cannot run without options: outside modserve, the kit gets them from the command line.
@@ -645,3 +695,8 @@ def register_proposers(register: Register) -> None:
 @hookimpl
 def register_executors(register: Register) -> None:
     _register("executor", register)
+
+
+@hookimpl
+def register_kv_connectors(register: Register) -> None:
+    _register("kv_connector", register)

@@ -119,6 +119,11 @@ FAULTS: list[tuple[str, str, str]] = [
      r"failed\(\) still returned None 10 s after"),
     ("executor:uni_refuses_vaguely", "test_one_rank_executor_refuses_more_ranks_clearly",
      "must refuse with a ValueError"),
+    ("kv_connector:loads_the_wrong_layer", "test_saved_blocks_load_back_bit_for_bit", "came back different"),
+    ("kv_connector:counts_every_key", "test_stored_blocks_is_the_leading_run", "only the blocks before it count"),
+    ("kv_connector:fails_the_rest_after_a_miss", "test_a_block_it_does_not_hold_fails_alone",
+     "must return the index of the block it lacks"),
+    ("kv_connector:saves_a_view", "test_a_save_is_a_copy", "not keep a view"),
 ]
 CONTROLS = [f"{kind}:{name}" for kind, names in broken_plugins.CONTROLS.items() for name in names]
 

@@ -36,7 +36,8 @@ class HostMemoryConnector(KVConnector):
         self.block_bytes = cache[:, 0].numel() * cache.element_size() * len(layers)
         n = self.options.num_blocks or max(1, int(self.options.size_gb * 2**30 // self.block_bytes))
         # [slots, L, 2, ...block]: one slot is a block of every layer of this rank.
-        self.pool = torch.zeros((n, len(layers), 2, *cache.shape[2:]), dtype=cache.dtype,
+        # Empty, not zeros: pages of a CPU pool are committed only as blocks are saved into them.
+        self.pool = torch.empty((n, len(layers), 2, *cache.shape[2:]), dtype=cache.dtype,
                                 pin_memory=cache.device.type == "cuda")
         self.free = list(range(n - 1, -1, -1))
         self.saving: dict[str, int] = {}  # this step's saves: key -> slot

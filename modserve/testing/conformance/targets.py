@@ -26,6 +26,7 @@ KIT_MODULES: dict[str, str] = {
     "quantizer": "test_quantizer",
     "proposer": "test_proposer",
     "executor": "test_executor",
+    "kv_connector": "test_kv_connector",
 }
 
 
@@ -35,10 +36,18 @@ def _draft_checkpoint() -> dict[str, Any]:
     return {"model": str(cached_checkpoint("llama", "tiny"))}
 
 
+def _storage_dir() -> dict[str, Any]:
+    import tempfile
+
+    return {"path": tempfile.mkdtemp(prefix="modserve-kit-kv-"), "delete_on_close": True}
+
+
 # Options the kit passes to built-ins that cannot run on their defaults, when the command line
 # gives none. NOTE: keyed on the distribution too: a third-party name never picks these up.
 BUILTIN_OPTIONS: dict[tuple[str, str], Callable[[], dict[str, Any]]] = {
     ("proposer", "draft_model"): _draft_checkpoint,
+    ("kv_connector", "shared_storage"): _storage_dir,  # not the default ./kv_store of the directory it runs in
+    ("kv_connector", "host"): lambda: {"num_blocks": 64},  # not 4 GiB
 }
 
 
