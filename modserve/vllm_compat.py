@@ -114,6 +114,35 @@ def _speculative(data: dict[str, Any], value: Any) -> None:
     data["speculative"] = speculative_from_vllm(value)
 
 
+# vLLM's connector class names -> modserve's built-ins, and their extra-config keys -> options.
+VLLM_CONNECTORS = {"SharedStorageConnector": "shared_storage", "OffloadingConnector": "host"}
+VLLM_CONNECTOR_OPTIONS = {"shared_storage_path": "path", "cpu_bytes_to_use": "size_gb"}
+
+
+def _kv_transfer(data: dict[str, Any], value: Any) -> None:
+    """vLLM's ``--kv-transfer-config`` JSON: kv_connector, kv_role, kv_connector_extra_config,
+    kv_load_failure_policy."""
+    import yaml
+
+    if isinstance(value, str):
+        value = yaml.safe_load(value)
+    if not isinstance(value, dict) or "kv_connector" not in value:
+        raise ValueError(f"kv_transfer_config: expected a JSON object with kv_connector, got {value!r}")
+    unknown = set(value) - {"kv_connector", "kv_role", "kv_connector_extra_config", "kv_load_failure_policy"}
+    if unknown:
+        raise ValueError(f"kv_transfer_config: keys modserve does not take: {sorted(unknown)}")
+    name = VLLM_CONNECTORS.get(value["kv_connector"], value["kv_connector"])
+    options = {}
+    for key, v in (value.get("kv_connector_extra_config") or {}).items():
+        if key == "cpu_bytes_to_use":
+            v = v / 2**30
+        options[VLLM_CONNECTOR_OPTIONS.get(key, key)] = v
+    data["kv_connector"] = {"name": name, "options": options}
+    for key in ("kv_role", "kv_load_failure_policy"):
+        if key in value:
+            data[key] = value[key]
+
+
 def _kv_cache_dtype(value: Any) -> Any:
     if value == "fp8":  # vLLM's fp8 is e4m3, as modserve's
         return "fp8_e4m3"
@@ -174,6 +203,10 @@ VLLM_OPTIONS: tuple[VllmOption, ...] = (
     VllmOption("speculative_config", "mapped",
                "speculative: method ngram (prompt_lookup_max/min -> max_ngram/min_ngram) or draft_model "
                "(model: PATH), num_speculative_tokens", {"metavar": "JSON"}, _speculative),
+    VllmOption("kv_transfer_config", "mapped",
+               "kv_connector (SharedStorageConnector -> shared_storage, OffloadingConnector -> host; "
+               "kv_connector_extra_config -> its options), kv_role, kv_load_failure_policy", {"metavar": "JSON"},
+               _kv_transfer),
     VllmOption("guided_decoding_backend", "mapped", "grammar_backend: NAME (auto, xgrammar, outlines)",
                {"metavar": "NAME"}, _set_name("grammar_backend")),
     # -- refused: a value other than vLLM's default is an error

@@ -342,3 +342,18 @@ def test_serve_a_vllm_command_line(tmp_path):
 def test_cuda_graph_sizes_on_the_command_line(llama_dir, argv, sizes):
     config, _ = resolve(["serve", llama_dir, *argv])
     assert config.cuda_graph_sizes == sizes
+
+
+def test_vllms_kv_transfer_config_selects_the_connector(llama_dir):
+    config, _ = resolve(["serve", llama_dir, "--kv-transfer-config", json.dumps({
+        "kv_connector": "SharedStorageConnector", "kv_role": "kv_producer",
+        "kv_connector_extra_config": {"shared_storage_path": "/tmp/kv"}, "kv_load_failure_policy": "fail"})])
+    assert config.kv_connector.model_dump() == {"name": "shared_storage", "options": {"path": "/tmp/kv"}}
+    assert (config.kv_role, config.kv_load_failure_policy) == ("producer", "fail")
+    config, _ = resolve(["serve", llama_dir, "--kv-transfer-config",
+                         '{"kv_connector": "OffloadingConnector", "kv_connector_extra_config": '
+                         '{"cpu_bytes_to_use": 2147483648}}'])
+    assert config.kv_connector.model_dump() == {"name": "host", "options": {"size_gb": 2.0}}
+    assert config.kv_role == "both"
+    with pytest.raises((ValueError, SystemExit)):
+        resolve(["serve", llama_dir, "--kv-transfer-config", '{"kv_connector": "x", "kv_parallel_size": 2}'])
