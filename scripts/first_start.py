@@ -42,7 +42,6 @@ MODEL = "modserve-demo"
 KERNEL_BUILD = re.compile(r"building C\+\+ kernel (\S+)")
 KERNEL_LOADED = re.compile(r"C\+\+ kernel (\S+) loaded in ([\d.]+) s")
 WARM_UP = re.compile(r"compile: warm-up took ([\d.]+) s")
-DEMO_MADE = re.compile(r"making the demo model")
 SERVING = re.compile(r"modserve is serving")
 
 
@@ -119,8 +118,7 @@ class Start:
         for line in self.proc.stdout:
             t, line = self.elapsed(), line.rstrip("\n")
             self.lines.append((t, line))
-            if not self.quiet or any(p.search(line) for p in (KERNEL_BUILD, KERNEL_LOADED, WARM_UP, DEMO_MADE,
-                                                               SERVING)):
+            if not self.quiet or any(p.search(line) for p in (KERNEL_BUILD, KERNEL_LOADED, WARM_UP, SERVING)):
                 print(f"  [{self.label} {t:6.1f} s] {line}", flush=True)
 
     def stop(self) -> None:
@@ -160,11 +158,9 @@ def complete(base: str, prompt: str, max_tokens: int) -> str:
 
 
 def phases(lines: list[tuple[float, str]]) -> dict[str, float]:
-    """Seconds of each logged phase: the demo model made, each kernel's build, the warm-up."""
+    """Seconds of each logged phase: each kernel's build, the warm-up."""
     out: dict[str, float] = {}
-    for i, (t, line) in enumerate(lines):
-        if DEMO_MADE.search(line) and i + 1 < len(lines):
-            out["demo model made"] = round(lines[i + 1][0] - t, 1)
+    for t, line in lines:
         if m := KERNEL_LOADED.search(line):
             out[f"kernel {m.group(1)}"] = float(m.group(2))
         if m := WARM_UP.search(line):

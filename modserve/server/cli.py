@@ -20,8 +20,8 @@ def add_parsers(subparsers: Any) -> None:
     p = subparsers.add_parser(
         "serve", help="serve a model over an OpenAI-compatible HTTP API",
         description="Serve a model over an OpenAI-compatible HTTP API: `modserve serve MODEL`, as `vllm serve "
-                    "MODEL`. With neither --config nor a model, serves the built-in demo model (random weights: "
-                    "its text is random).")
+                    "MODEL`. With neither --config nor a model, serves the built-in demo model (a 5M-parameter "
+                    "Llama trained on the King James Bible).")
     # None: not given here (a config file's host/port/api_key may give it), then the default.
     p.add_argument("--host", default=None, help=f"address to bind (default: {DEFAULT_HOST}; 0.0.0.0 for every "
                                                  "interface)")
@@ -63,7 +63,7 @@ def use_demo_model(args: argparse.Namespace) -> None:
     """Point ``args`` at the demo model, with its defaults for the flags the user did not give."""
     from modserve.server.demo import DEMO_DEFAULTS, KV_SIZE_FIELDS, demo_model_dir
 
-    logger.info("no --config or model: using the demo model (random weights, random text)")
+    logger.info("no --config or model: using the demo model (built in, trained on the King James Bible)")
     args.cfg_model = str(demo_model_dir())
     sized = any(getattr(args, f"cfg_{name}", None) is not None for name in KV_SIZE_FIELDS) or \
         any(getattr(args, f"vllm_{name}", None) is not None for name in VLLM_KV_SIZE_FLAGS)

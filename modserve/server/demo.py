@@ -1,8 +1,10 @@
-"""The built-in demo model: a random-weight Llama made locally on first use, then cached.
+"""The built-in demo model: a 5M-parameter Llama trained on the King James Bible, shipped
+inside the package (modserve/server/demo_model/, made by scripts/train_demo_model.py).
 
-Its text is random (the weights are), but everything else is real: a trained
-byte-level BPE tokenizer, a ChatML chat template, safetensors weights. It lets
-``modserve serve`` run with no download and no arguments.
+Small enough to ship (10 MB of bfloat16) and to serve at once, with a real byte-level BPE
+tokenizer and ChatML template; it writes verse-like English, not answers. Its 2-layer
+draft (demo_model/draft) shares the tokenizer, for speculative decoding
+(configs/demo-speculative.yaml). It lets ``modserve serve`` run with no download and no arguments.
 """
 
 from __future__ import annotations
@@ -13,49 +15,35 @@ from pathlib import Path
 logger = logging.getLogger("modserve.server")
 
 DEMO_NAME = "modserve-demo"
-# "small" (~88M parameters, 12 layers) takes ~10 s to make on 2 CPU cores and
-# streams a few dozen tokens/s there: big enough to look like a model, quick to create.
-DEMO_ARCH, DEMO_PRESET = "llama", "small"
-# Defaults for flags the user did not give. 0.5 GiB of KV is ~21k tokens of this model:
-# plenty for a demo, where the engine's usual 20% of free memory could be gigabytes to zero.
-# compile off: `auto` would compile this model (336 MiB of float32 weights), which cost 46-86 s
-# at a first start and ~10 s at every later one, for nothing measurable here: a float32
-# checkpoint gets no 16-bit decode weights, and the C++ kernels and packed GEMMs run either
-# way. Eager ran as fast (one thread, two alternating pairs of processes: 38 against 34-36
-# tok/s single-stream, 155-175 against 144-161 at 8 sequences) with the same greedy tokens
-# (8 prompts x 64 tokens). `--compile on` still compiles it.
+DEMO_ROOT = Path(__file__).parent / "demo_model"  # main/, draft/, heldout.txt, heldout_cloze.jsonl
+# Defaults for flags the user did not give. 0.5 GiB of KV is plenty for a demo, where the
+# engine's usual 20% of free memory could be gigabytes to zero.
+# compile off: measured on the earlier 88M random-weight demo, compiling cost 46-86 s at a
+# first start and ~10 s at every later one for no measurable speed-up; this model is smaller
+# still. `--compile on` still compiles it.
 DEMO_DEFAULTS = {"served_model_name": DEMO_NAME, "kv_cache_memory_gb": "0.5", "compile": "off"}
 KV_SIZE_FIELDS = ("num_kv_blocks", "kv_cache_memory_gb", "kv_cache_memory_fraction")
 
 
-def demo_cache_dir() -> Path:
-    import platformdirs
-
-    return Path(platformdirs.user_cache_dir("modserve")) / "demo"
-
-
 def demo_model_dir() -> Path:
-    """The demo checkpoint's directory, made now if this machine has none yet."""
-    from modserve.testing import cached_checkpoint
-
-    root = demo_cache_dir()
-    made = any(root.glob(f"{DEMO_ARCH}-{DEMO_PRESET}-*"))
-    log_start_plan(made)
-    if not made:
-        logger.info("making the demo model (random weights, one time, ~10 s) under %s", root)
-    return cached_checkpoint(DEMO_ARCH, DEMO_PRESET, cache_dir=root)
+    """The shipped demo checkpoint's directory."""
+    log_start_plan()
+    return DEMO_ROOT / "main"
 
 
-def log_start_plan(model_made: bool) -> None:
-    """One line before anything is made: what this start builds, and about how long it takes."""
-    todo = [] if model_made else ["making the demo model (~10 s)"]
+def demo_draft_dir() -> Path:
+    """The demo model's draft (same tokenizer) for the draft_model proposer."""
+    return DEMO_ROOT / "draft"
+
+
+def log_start_plan() -> None:
+    """One line before anything is built: what this start builds, and about how long it takes."""
     if kernels := missing_kernels():
-        todo.append(f"building {len(kernels)} C++ kernel{'s' * (len(kernels) > 1)} ({', '.join(kernels)}; "
-                    "~10-20 s each on 2 cores)")
-    if todo:
-        logger.info("demo start: %s, once, then loading (~10 s); later starts take ~10 s", " and ".join(todo))
+        logger.info("demo start: building %d C++ kernel%s (%s; ~10-20 s each on 2 cores), once, then "
+                    "loading (~10 s); later starts take ~10 s", len(kernels), "s" * (len(kernels) > 1),
+                    ", ".join(kernels))
     else:
-        logger.info("demo start: model and C++ kernels cached; serving in ~10 s on 2 cores")
+        logger.info("demo start: C++ kernels cached; serving in ~10 s on 2 cores")
 
 
 def missing_kernels() -> list[str]:

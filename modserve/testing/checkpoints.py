@@ -16,6 +16,7 @@ import os
 import random
 import shutil
 import tempfile
+from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -144,6 +145,11 @@ _QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
 @functools.lru_cache(maxsize=8)
 def _tokenizer_json(vocab_size: int, qwen2_style: bool) -> str:
     # Cached as JSON so each caller gets a fresh, independently mutable tokenizer.
+    return train_tokenizer_json(_corpus().split("\n"), vocab_size, qwen2_style)
+
+
+def train_tokenizer_json(texts: Iterable[str], vocab_size: int, qwen2_style: bool = False) -> str:
+    """A byte-level BPE with SPECIAL_TOKENS first, trained on ``texts``; as tokenizer.json text."""
     from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
@@ -157,18 +163,21 @@ def _tokenizer_json(vocab_size: int, qwen2_style: bool) -> str:
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(SPECIAL_TOKENS),
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
                                   show_progress=False)
-    tok.train_from_iterator(_corpus().split("\n"), trainer=trainer)
+    tok.train_from_iterator(texts, trainer=trainer)
     return tok.to_str()
 
 
-def make_tokenizer(vocab_size: int, arch: str = "llama") -> PreTrainedTokenizerFast:
+def make_tokenizer(vocab_size: int, arch: str = "llama", tokenizer_json: str | None = None
+                   ) -> PreTrainedTokenizerFast:
     """A fast ChatML tokenizer (eos <|im_end|>, pad <|endoftext|>, no BOS); ``arch``
-    only matters for qwen2, whose pre-tokenizer transformers imposes (see above)."""
+    only matters for qwen2, whose pre-tokenizer transformers imposes (see above).
+    ``tokenizer_json`` (from train_tokenizer_json) replaces the generated corpus's BPE."""
     from tokenizers import Tokenizer
     from transformers import PreTrainedTokenizerFast
 
+    tokenizer_json = tokenizer_json or _tokenizer_json(vocab_size, arch in QWEN2_TOKENIZER_ARCHS)
     return PreTrainedTokenizerFast(
-        tokenizer_object=Tokenizer.from_str(_tokenizer_json(vocab_size, arch in QWEN2_TOKENIZER_ARCHS)),
+        tokenizer_object=Tokenizer.from_str(tokenizer_json),
         eos_token="<|im_end|>", pad_token="<|endoftext|>",
         additional_special_tokens=[SPECIAL_TOKENS[1]], chat_template=CHATML_TEMPLATE,
         model_max_length=2048, clean_up_tokenization_spaces=False)
