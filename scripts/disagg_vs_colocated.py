@@ -24,7 +24,7 @@ from pathlib import Path
 import httpx
 
 ROOT = Path(__file__).resolve().parent.parent
-MODELNAME = "bench"
+MODELNAME = "llama-small-88M"  # the served name: it titles the plot
 
 
 def free_port() -> int:
@@ -69,7 +69,8 @@ def main() -> None:
         args.model = str(cached_checkpoint("llama", "small"))
     tmp = Path(tempfile.mkdtemp(prefix="disagg-"))
     common = ["serve", args.model, "--served-model-name", MODELNAME, "--dtype", "float32", "--compile", "off",
-              "--max-model-len", "2048", "--kv-cache-memory-gb", "1"]
+              "--max-model-len", "2048", "--kv-cache-memory-gb", "1",
+              "--no-enable-prefix-caching"]  # every repeat sends the same prompts: no server may remember them
     ports = {name: free_port() for name in ("colocated", "producer", "consumer", "router")}
     url = {name: f"http://127.0.0.1:{port}" for name, port in ports.items()}
     procs: dict[str, subprocess.Popen] = {}
