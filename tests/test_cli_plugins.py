@@ -128,7 +128,8 @@ def test_conformance_help_explains_targets_and_pytest_args(capsys: pytest.Captur
     assert exit_.value.code == 0
     text = capsys.readouterr().out
     assert "KIND:NAME" in text and "Arguments after -- go to pytest" in text
-    assert "Kinds: attention_backend, kv_allocator, scheduler, sampler, grammar_backend, quantizer, proposer, executor." in text
+    assert ("Kinds: attention_backend, kv_allocator, scheduler, sampler, grammar_backend, quantizer, proposer, "
+            "executor, kv_connector.") in text
 
 
 def test_conformance_passes_targets_and_pytest_args_to_the_kit(monkeypatch: pytest.MonkeyPatch) -> None:
