@@ -287,7 +287,8 @@ class ModelRunner:
     @torch.inference_mode()
     def run_model(self, copies: list[tuple[int, int]], swap_out: list[tuple[int, int]],
                   swap_in: list[tuple[int, int]], input_ids: torch.Tensor, meta: AttentionMetadata,
-                  logit_rows: list[torch.Tensor], kv_saves: list[BlockTransfer] | None = None) -> list[torch.Tensor | None]:
+                  logit_rows: list[torch.Tensor],
+                  kv_saves: list[BlockTransfer] | None = None) -> list[torch.Tensor | None]:
         """The step's tensor work, on every rank: block moves, the forward (saving the KV
         connector's blocks as each layer writes them), then the logits ``[R, vocab]`` of
         each set of rows (None for an empty one)."""
