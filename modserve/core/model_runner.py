@@ -294,20 +294,9 @@ class ModelRunner:
         each set of rows (None for an empty one)."""
         self.move_blocks(copies, swap_out, swap_in)
         pp = self.pp
-        if kv_saves:  # eager: a CUDA graph would not replay the saves
-            connector = self.connector
-
-            def save(layer: int, kv_cache: torch.Tensor) -> None:
-                with calling(connector, "kv_connector", "save_layer()"):
-                    connector.save_layer(layer, kv_cache, kv_saves)
-
-            with after_each_layer(save):
-                hidden = self._forward(input_ids, meta)
-            with calling(connector, "kv_connector", "finish_saves()"):
-                connector.finish_saves()
-            return [self.model.compute_logits(hidden[rows]) if rows.numel() else None for rows in logit_rows]
         if pp.size == 1:
-            hidden = self.step_forward(input_ids, meta)  # [T, hidden]
+            # [T, hidden]; a step that saves runs eagerly: a CUDA graph would not replay the saves
+            hidden = self._saving_forward(input_ids, meta, kv_saves) if kv_saves else self.step_forward(input_ids, meta)
             return [self.model.compute_logits(hidden[rows]) if rows.numel() else None for rows in logit_rows]
         # A stage: its micro-batches one after another, each the previous stage's hidden states
         # in, this stage's layers, out to the next (sent without waiting: the next micro-batch
@@ -332,6 +321,21 @@ class ModelRunner:
         if self.tp.rank == 0:
             pp.logits_to_rank0(joined)
         return joined
+
+    def _saving_forward(self, input_ids: torch.Tensor, meta: AttentionMetadata,
+                        kv_saves: list[BlockTransfer]) -> torch.Tensor:  # [T, hidden]
+        """The forward, the KV connector saving ``kv_saves`` from each layer as it is written."""
+        connector = self.connector
+
+        def save(layer: int, kv_cache: torch.Tensor) -> None:
+            with calling(connector, "kv_connector", "save_layer()"):
+                connector.save_layer(layer, kv_cache, kv_saves)
+
+        with after_each_layer(save):
+            hidden = self._forward(input_ids, meta)
+        with calling(connector, "kv_connector", "finish_saves()"):
+            connector.finish_saves()
+        return hidden
 
     @on_every_rank
     @torch.inference_mode()

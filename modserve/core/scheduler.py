@@ -222,8 +222,7 @@ class SchedulerCore(SchedulerView):
         connector, size = self.connector, self.allocator.block_size
         if connector is None or local % size:
             return 0
-        if seq.kv_keys is None:
-            seq.kv_keys = block_keys(seq.prompt_token_ids, size)
+        self._prompt_keys(seq)
         usable = min(len(seq.kv_keys), (seq.num_tokens - 1) // size)
         with calling(connector, "kv_connector", "stored_blocks()"):
             stored = connector.stored_blocks(seq.kv_keys)
@@ -237,13 +236,16 @@ class SchedulerCore(SchedulerView):
 
     def _plan_saves(self, seq: Sequence, n: int, out: ScheduledStep) -> None:
         """The prompt's full blocks complete once this step ran that the store lacks."""
-        size = self.allocator.block_size
-        if seq.kv_keys is None:
-            seq.kv_keys = block_keys(seq.prompt_token_ids, size)
-        done = min(len(seq.kv_keys), (seq.num_computed_tokens + n) // size)
+        keys = self._prompt_keys(seq)
+        done = min(len(keys), (seq.num_computed_tokens + n) // self.allocator.block_size)
         if done > seq.kv_stored_blocks:
-            out.kv_saves[seq] = [BlockTransfer(seq.kv_keys[j], seq.block_ids[j])
-                                 for j in range(seq.kv_stored_blocks, done)]
+            out.kv_saves[seq] = [BlockTransfer(keys[j], seq.block_ids[j]) for j in range(seq.kv_stored_blocks, done)]
+
+    def _prompt_keys(self, seq: Sequence) -> list[str]:
+        """The content keys of ``seq``'s full prompt blocks, made once (the prompt never changes)."""
+        if seq.kv_keys is None:
+            seq.kv_keys = block_keys(seq.prompt_token_ids, self.allocator.block_size)
+        return seq.kv_keys
 
     def drop_failed_loads(self, scheduled: ScheduledStep, seqs: list[Sequence], requeue: bool) -> None:
         """Take sequences whose KV could not be loaded out of the step and free their blocks;
