@@ -318,3 +318,61 @@ def test_a_gate_without_its_eval_file_is_an_error(tmp_path, gate, needs, capsys)
     config.write_text("dtype: float32\n")
     assert main(["compare", str(config), str(config), "--model", "unused", gate, "0"]) == 2
     assert needs in capsys.readouterr().err
+
+
+# -- a quantization regression that greedy agreement misses ------------------------------------------
+PLANTED_PATH_ROWS = 128  # the planted kernel path: batches of more rows than this (long prefills)
+
+
+def int8_with_a_broken_gemm_path():
+    """A planted quantization bug of the kind kernels dispatch into: int8 exactly (the GEMV
+    path, decode and short prompts) up to PLANTED_PATH_ROWS rows, but a GEMM path for bigger
+    batches that reads the weights as ternary (-1, 0, 1 times max|W| per row)."""
+    from modserve.quantizers.int8 import Int8
+
+    class BrokenGemm(Int8):
+        def process_weights(self, layer):
+            super().process_weights(layer)
+            w = self.dequantize(layer)  # [N, K]
+            amax = w.abs().amax(dim=1, keepdim=True)
+            layer.ternary = torch.nn.Parameter(torch.round(w / amax).clamp(-1, 1) * amax, requires_grad=False)
+
+        def apply(self, layer, x):  # x: [T, K]
+            if x.shape[0] <= PLANTED_PATH_ROWS:
+                return super().apply(layer, x)
+            return torch.nn.functional.linear(x, layer.ternary.to(x.dtype), layer.bias)
+
+    return BrokenGemm
+
+
+def test_compare_catches_a_quantization_regression_greedy_agreement_passes(tmp_path, capsys):
+    """On the trained demo model, with its held-out task and text: int8 against int8 with a
+    broken large-batch path. The workload's prompts are short, so every greedy token and every
+    probed logit agrees (the default 0.9 agreement gate and a zero logit-difference gate pass),
+    while scoring long prompts shows the damage: the task and perplexity gates fail."""
+    from modserve.server.demo import DEMO_ROOT, demo_model_dir
+
+    plugin = types.SimpleNamespace(register_quantizers=hookimpl(
+        lambda register: register("int8-broken-gemm", int8_with_a_broken_gemm_path)))
+    get_registry().add_plugin(plugin, "test-broken-gemm")  # the fresh_registry fixture forgets it
+    task = tmp_path / "task.jsonl"
+    task.write_text("".join((DEMO_ROOT / "heldout_cloze.jsonl").read_text().splitlines(True)[:40]))
+    text = tmp_path / "heldout.txt"
+    text.write_text("\n".join((DEMO_ROOT / "heldout.txt").read_text().splitlines()[:30]) + "\n")
+    paths = []
+    for name, quantizer in (("a", "int8"), ("b", "int8-broken-gemm")):
+        path = tmp_path / f"{name}.yaml"
+        path.write_text(f"quantization: {quantizer}\ndtype: float32\nnum_kv_blocks: 256\nmax_model_len: 512\n")
+        paths.append(str(path))
+    rc = main(["compare", *paths, "--model", str(demo_model_dir()), "--workload", "random", "--num-prompts", "4",
+               "--input-len", "16", "--output-len", "8", "--repeats", "1", "--warmups", "0", "--probe-prompts", "2",
+               "--max-logit-diff", "0", "--threads", "1", "--out-dir", str(tmp_path / "out"),
+               "--eval-task", str(task), "--eval-text", str(text), "--eval-max-length", "256",
+               "--min-task-accuracy-delta", "-0.05", "--max-perplexity-ratio", "1.10"])
+    report = (tmp_path / "out" / "compare.md").read_text()
+    assert rc == 1, report
+    assert "greedy exact match: 4/4 requests (100.0%)" in report
+    verdict = next(line for line in report.splitlines() if line.startswith("- verdict:"))
+    assert "task accuracy gate: acc(B) - acc(A)" in verdict and "perplexity gate: ppl(B) / ppl(A)" in verdict
+    assert "greedy agreement" not in verdict and "logit" not in verdict
+    assert "perplexity gate" in capsys.readouterr().err
