@@ -49,8 +49,10 @@ def add_parsers(sub: Any) -> None:
     p.add_argument("--output-len", type=int, default=64)
     p.add_argument("--hardware", choices=HARDWARE_CHOICES, default=None,
                    help="for the decode ceiling (default: cpu, measured, when the device is the CPU)")
-    p.add_argument("--baseline", choices=["vllm"], help="also run an installed vLLM, interleaved")
+    p.add_argument("--baseline", choices=["vllm", "llama.cpp"],
+                   help="also run an installed vLLM or llama.cpp's llama-bench, interleaved")
     _add_vllm_flags(p)
+    _add_llamacpp_flags(p)
     add_pinning_flags(p)
     add_output_flags(p, "every run's figures")
     p.set_defaults(func=cmd_latency)
@@ -185,6 +187,42 @@ def output_path(args: argparse.Namespace, kind: str) -> str | None:
         return None
     name = args.result_filename or f"modserve-bench-{kind}-{time.strftime('%Y%m%d-%H%M%S')}.json"
     return str(Path(args.result_dir or ".") / name)
+
+
+def _add_llamacpp_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("the llama.cpp baseline (modserve/bench/llamacpp_baseline.py)")
+    g.add_argument("--llama-cpp-dir", metavar="DIR",
+                   help="a llama.cpp tree: its convert_hf_to_gguf.py and a built build/bin/llama-bench")
+    g.add_argument("--llama-bench", metavar="PATH", help="the llama-bench binary (default: in --llama-cpp-dir)")
+    g.add_argument("--gguf", metavar="PATH", help="a GGUF of the same checkpoint (default: convert it once, "
+                                                  "with --llama-cpp-dir's converter, into the user cache)")
+    g.add_argument("--gguf-outtype", choices=["f32", "f16", "bf16", "q8_0"],
+                   help="the GGUF's weight type when converting (default: the checkpoint's dtype)")
+
+
+def _checkpoint_outtype(llm: Any) -> str:
+    """The GGUF type of the weights a decode step reads: the checkpoint's (a bf16 checkpoint's
+    weights stay bf16 on CPU, computed in float32), else the engine's dtype."""
+    types = {"float32": "f32", "float16": "f16", "bfloat16": "bf16"}
+    config = json.loads((Path(llm.config.model) / "config.json").read_text())
+    stored = str(config.get("dtype") or config.get("torch_dtype") or "")
+    return types.get(stored) or types.get(str(llm.engine.dtype).removeprefix("torch."), "f32")
+
+
+def _llamacpp_runner(args: argparse.Namespace, llm: Any) -> Any:
+    import platformdirs
+    import torch
+
+    from modserve.bench.llamacpp_baseline import LlamaCppRunner, convert, find_tools, gguf_path
+
+    bench, converter = find_tools(args.llama_cpp_dir, args.llama_bench)
+    if args.gguf:
+        gguf = Path(args.gguf)
+    else:
+        outtype = args.gguf_outtype or _checkpoint_outtype(llm)
+        cache = Path(platformdirs.user_cache_dir("modserve")) / "gguf"
+        gguf = convert(llm.config.model, converter, outtype, gguf_path(llm.config.model, outtype, cache))
+    return LlamaCppRunner(bench, gguf, torch.get_num_threads())
 
 
 def _add_vllm_flags(p: argparse.ArgumentParser) -> None:
@@ -333,6 +371,7 @@ def cmd_latency(args: argparse.Namespace) -> int:
     from modserve.bench.offline import single_stream
     from modserve.bench.plan import ModelShape, hardware, plan
     from modserve.bench.report import spread_table
+    from modserve.bench.llamacpp_baseline import LlamaCppUnavailable
     from modserve.bench.roofline import compute_fraction
     from modserve.bench.vllm_baseline import VLLMUnavailable
 
@@ -342,9 +381,11 @@ def cmd_latency(args: argparse.Namespace) -> int:
     try:
         if args.baseline == "vllm":
             baselines.append(_vllm_runner(args, llm, args.input_len + args.output_len, log_stats=True))
+        elif args.baseline == "llama.cpp":
+            baselines.append(_llamacpp_runner(args, llm))
         all_runs = single_stream(llm, args.input_len, args.output_len, args.repeats, args.warmups,
                                  baselines=baselines)
-    except VLLMUnavailable as e:
+    except (VLLMUnavailable, LlamaCppUnavailable) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     finally:
@@ -358,8 +399,11 @@ def cmd_latency(args: argparse.Namespace) -> int:
     print(spread_table(figures, digits=2))
     for b in baselines:
         print(_ratio_line(figures, b.name, "decode tok/s"))
-        how = ("its RequestOutput.metrics timestamps" if b.latency_method == "metrics" else
-               "a 1-token run (TTFT) and the full run of the same prompt (TPOT = the difference / (output - 1))")
+        how = {"metrics": "its RequestOutput.metrics timestamps",
+               "llama-bench": f"llama-bench's pp{args.input_len} (TTFT = prompt / its tok/s) and tg{args.output_len} "
+                              f"after {args.input_len} tokens of context (-d; TPOT = 1 / its tok/s)"}.get(
+            b.latency_method,
+            "a 1-token run (TTFT) and the full run of the same prompt (TPOT = the difference / (output - 1))")
         print(f"{b.name} TTFT and TPOT from {how}")
     result: dict[str, Any] = {"runs": runs, **{f"{b.name}_runs": figures[b.name] for b in baselines}}
     hw_name = args.hardware or ("cpu" if llm.config.device == "cpu" else None)
