@@ -131,7 +131,8 @@ def test_no_gguf_and_no_converter_is_an_error(fake_tree, llama_dir, tmp_path, ca
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     assert main(["bench", "latency", "--model", llama_dir, "--baseline", "llama.cpp",
                  "--llama-bench", str(tree / "build" / "bin" / "llama-bench"), "--input-len", "8",
-                 "--output-len", "4", "--repeats", "1", "--threads", "1", "--num-kv-blocks", "32", "--max-model-len", "256"]) == 2
+                 "--output-len", "4", "--repeats", "1", "--threads", "1", "--num-kv-blocks", "32",
+                 "--max-model-len", "256"]) == 2
     assert "no GGUF to benchmark: pass --gguf PATH" in capsys.readouterr().err
     with pytest.raises(LlamaCppUnavailable, match="no GGUF at"):
         LlamaCppRunner(tree / "build" / "bin" / "llama-bench", tmp_path / "missing.gguf", 1)
@@ -142,5 +143,6 @@ def test_real_llama_bench(llama_dir, tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     assert main(["bench", "latency", "--model", llama_dir, "--dtype", "bfloat16", "--baseline", "llama.cpp",
                  "--llama-cpp-dir", os.environ["MODSERVE_LLAMA_CPP_DIR"], "--input-len", "16", "--output-len", "8",
-                 "--repeats", "1", "--warmups", "0", "--threads", "1", "--num-kv-blocks", "64", "--max-model-len", "256"]) == 0
+                 "--repeats", "1", "--warmups", "0", "--threads", "1", "--num-kv-blocks", "64",
+                 "--max-model-len", "256"]) == 0
     assert "modserve / llama.cpp: decode tok/s" in capsys.readouterr().out
