@@ -408,7 +408,7 @@ def split_pytest_args(argv: list[str]) -> tuple[list[str], list[str]]:
 # Modules that add their own subcommands: each defines add_parsers(subparsers) and
 # imports anything heavy inside its command functions, so `modserve --help` stays fast.
 SUBCOMMAND_MODULES: tuple[str, ...] = ("modserve.server.cli", "modserve.bench.cli", "modserve.bench.eval_cli",
-                                       "modserve.server.router_cli")
+                                       "modserve.server.router_cli", "modserve.quantizers.calibration.cli")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -22,6 +22,11 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from modserve.quantizers.calibration.formats import (  # noqa: F401  (pack_int32 and the grids: tests use them)
+    AWQ_PACK_ORDER, QUANTIZED_LINEARS, awq_quantize, awq_tensors, gptq_quantize, gptq_tensors, pack_int32,
+    quantization_config,
+)
+
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerFast
 
@@ -276,60 +281,8 @@ def _cached(prefix: str, key: dict[str, Any], cache_dir: str | os.PathLike | Non
 
 
 # -- pre-quantized checkpoints (AWQ, GPTQ) ----------------------------------------------
-# Round-to-nearest quantization of a float checkpoint's linear layers, packed exactly as
-# AutoAWQ (GEMM) and AutoGPTQ / GPTQModel write them. Written independently of the
-# engine's unpacking in modserve.quantizers, so tests can hold one against the other.
-QUANTIZED_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
-                     "w1", "w2", "w3")  # w1/w3/w2: Mixtral's experts' gate/up/down; routers stay float
-AWQ_PACK_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # int32 nibble i holds output channel AWQ_PACK_ORDER[i] of 8
-
-
-def _to_int32(words: torch.Tensor) -> torch.Tensor:
-    """int64 words in [0, 2**32) -> int32 with the same bits."""
-    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
-
-
-def pack_int32(values: torch.Tensor, bits: int, dim: int, order: tuple[int, ...] | None = None) -> torch.Tensor:
-    """Pack ``32 // bits`` unsigned ints per int32 along ``dim`` (lowest bits first), value
-    ``order[i]`` of each run of ``32 // bits`` going to slot ``i`` (default: in order)."""
-    per = 32 // bits
-    v = values.to(torch.int64).movedim(dim, -1)
-    v = v.reshape(*v.shape[:-1], v.shape[-1] // per, per)  # [..., C / per, per]
-    if order is not None:
-        v = v[..., list(order)]
-    words = sum(v[..., i] << (bits * i) for i in range(per))
-    return _to_int32(words).movedim(-1, dim).contiguous()
-
-
-def awq_quantize(w: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """AWQ's zero-point round-to-nearest: ``w [N, K]`` -> (q ``[K, N]``, zeros ``[K/g, N]``,
-    scales ``[K/g, N]`` float16) with ``w.T ≈ (q - zeros[k // g]) * scales[k // g]``."""
-    wt = w.float().t()  # [K, N]
-    k, n = wt.shape
-    grouped = wt.reshape(k // group_size, group_size, n)
-    lo, hi = grouped.amin(dim=1), grouped.amax(dim=1)  # [K/g, N]
-    scales = ((hi - lo).clamp(min=1e-5) / 15).half()
-    s = scales.float()
-    zeros = torch.clamp(-torch.round(lo / s), 0, 15)
-    q = torch.clamp(torch.round(grouped / s[:, None]) + zeros[:, None], 0, 15)
-    return q.reshape(k, n).int(), zeros.int(), scales
-
-
-def gptq_quantize(w: torch.Tensor, bits: int, group_size: int, g_idx: torch.Tensor
-                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """GPTQ's symmetric grid, rounded to nearest: ``w [N, K]`` -> (q ``[K, N]``, zeros, scales
-    ``[groups, N]``) with ``w.T ≈ (q - zeros[g_idx]) * scales[g_idx]``; zeros are 2**(bits-1)."""
-    wt = w.float().t()  # [K, N]
-    maxq = 2**bits - 1
-    groups = int(g_idx.max()) + 1
-    amax = torch.stack([wt[g_idx == i].abs().amax(dim=0) for i in range(groups)])  # [groups, N]
-    scales = (2 * amax.clamp(min=1e-5) / maxq).half()
-    zeros = torch.full_like(amax, (maxq + 1) // 2).int()
-    s = scales.float()[g_idx.long()]  # [K, N]
-    q = torch.clamp(torch.round(wt / s) + zeros[g_idx.long()], 0, maxq)
-    return q.int(), zeros, scales
-
-
+# Round-to-nearest quantization of a float checkpoint's linear layers, in the formats of
+# modserve.quantizers.calibration.formats (`modserve quantize --rtn` writes the same).
 def act_order_g_idx(k: int, group_size: int, seed: object) -> torch.Tensor:
     """A desc_act g_idx: channels taken in a seeded order, ``group_size`` at a time."""
     perm = torch.randperm(k, generator=torch.Generator().manual_seed(_seed_for(seed)))
@@ -361,33 +314,18 @@ def make_quantized_checkpoint(src: str | os.PathLike, out_dir: str | os.PathLike
             quantized[name] = w
             continue
         if method == "awq":
-            q, zeros, scales = awq_quantize(w, group_size)
-            quantized[f"{module}.qweight"] = pack_int32(q, 4, dim=1, order=AWQ_PACK_ORDER)  # [K, N/8]
-            quantized[f"{module}.qzeros"] = pack_int32(zeros, 4, dim=1, order=AWQ_PACK_ORDER)  # [K/g, N/8]
-            quantized[f"{module}.scales"] = scales  # [K/g, N]
+            quantized.update(awq_tensors(module, *awq_quantize(w, group_size)))
             continue
         k = w.shape[1]
         # Layers that read the same input (q/k/v, gate/up) share GPTQ's column order.
         reads = "attn" if kind in ("q_proj", "k_proj", "v_proj") else "mlp" if kind != "o_proj" else kind
         seed = (module.rpartition(".")[0].rpartition(".")[0], reads, k)
         g_idx = act_order_g_idx(k, group_size, seed) if desc_act else torch.arange(k, dtype=torch.int32) // group_size
-        q, zeros, scales = gptq_quantize(w, bits, group_size, g_idx)
-        quantized[f"{module}.qweight"] = pack_int32(q, bits, dim=0)  # [K / pack, N]
-        stored = zeros - 1 if checkpoint_format == "gptq" else zeros  # v1 stores zero - 1
-        quantized[f"{module}.qzeros"] = pack_int32(stored, bits, dim=1)  # [groups, N / pack]
-        quantized[f"{module}.scales"] = scales  # [groups, N]
-        quantized[f"{module}.g_idx"] = g_idx  # [K]
+        quantized.update(gptq_tensors(module, *gptq_quantize(w, bits, group_size, g_idx), g_idx, bits,
+                                      checkpoint_format))
     save_file(quantized, str(out / "model.safetensors"), metadata={"format": "pt"})
     config = json.loads((src / "config.json").read_text())
-    if method == "awq":
-        config["quantization_config"] = {"quant_method": "awq", "bits": 4, "group_size": group_size,
-                                         "zero_point": True, "version": "gemm", "modules_to_not_convert": None}
-    elif method == "gptq":
-        config["quantization_config"] = {"quant_method": "gptq", "bits": bits, "group_size": group_size,
-                                         "desc_act": desc_act, "sym": True, "checkpoint_format": checkpoint_format,
-                                         "static_groups": False, "true_sequential": True, "damp_percent": 0.01}
-    else:
-        raise ValueError(f"unknown method {method!r}; expected awq or gptq")
+    config["quantization_config"] = quantization_config(method, bits, group_size, desc_act, checkpoint_format)
     (out / "config.json").write_text(json.dumps(config, indent=2))
     return out
 
