@@ -229,7 +229,7 @@ def test_the_quantized_model_is_the_float_model_with_dequantized_weights(method,
 @pytest.mark.parametrize("method,kernel", [("int8", "int8pack"), ("awq", "int4pack"), ("gptq4", "int4pack"),
                                            ("gptq4-act-order", "int4pack"), ("fp8", "scaled_mm")])
 def test_kernels_agree_with_dequantize_then_matmul(method, kernel, float_dir, cache_root, float_reference):
-    """torch's int8/int4 CPU kernels (used on AVX-512 CPUs) and the fp8 scaled matmul (GPUs with
+    """torch's int8/int4 CPU kernels (named: auto never picks them) and the fp8 scaled matmul (GPUs with
     fp8 tensor cores; torch also runs it on CPU) against the dequantizing path, forced here."""
     ids, _ = float_reference
     path, name = model_dir(method, float_dir, cache_root), METHODS[method][1]

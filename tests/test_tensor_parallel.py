@@ -64,7 +64,7 @@ QUANTIZERS: dict[str, tuple[type, type, dict[str, Any]]] = {
     "int8": (Int8, Int8Options, {}),
     "fp8": (FP8Weights, FP8Options, {}),
 }
-# Kernels each runs here: auto (int4pack / int8pack on AVX-512 CPUs, dequant elsewhere) and dequant.
+# Kernels each runs here: auto (dequant on CPU; what a user gets) and dequant named.
 CASES = [(m, k) for m in QUANTIZERS for k in ("auto", "dequant") if not (m in ("gptq8-v2", "fp8") and k == "auto")]
 QUANTIZE_AT_LOAD = ("int8", "fp8")  # a row shard's per-channel scales are its own, not the whole row's
 

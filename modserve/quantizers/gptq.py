@@ -39,7 +39,7 @@ from torch import nn
 
 from modserve.api import LinearSpec, Quantizer, TensorLayout, check_name, load_shard, param
 from modserve.quantizers.packing import (
-    INT4PACK_GROUP_SIZES, Workspace, avx512, from_int4pack, int4pack_mm, to_int4pack, unpack_cols, unpack_rows,
+    Workspace, from_int4pack, int4pack_mm, to_int4pack, unpack_cols, unpack_rows,
 )
 
 TENSORS = ("qweight", "qzeros", "scales")
@@ -47,7 +47,7 @@ TENSORS = ("qweight", "qzeros", "scales")
 
 class GPTQOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    # auto: int4pack for 4 bits on AVX-512 CPUs, dequant elsewhere.
+    # auto: dequant (torch 2.13's CPU int4 kernel is 20-75x slower than a float GEMM, see awq.py).
     kernel: Literal["auto", "dequant", "int4pack"] = "auto"
 
 
@@ -83,11 +83,7 @@ class GPTQ(Quantizer):
         return spec.parallel == "row" and spec.tp_size > 1 and self.desc_act and self.group_size != -1
 
     def kernel(self, spec: LinearSpec) -> str:
-        if self.options.kernel != "auto":
-            return self.options.kernel
-        g, _ = self.groups(spec)
-        fits = self.bits == 4 and g in INT4PACK_GROUP_SIZES and not self.whole_groups(spec)
-        return "int4pack" if spec.device.type == "cpu" and avx512() and fits else "dequant"
+        return "dequant" if self.options.kernel == "auto" else self.options.kernel
 
     def tensor_layout(self, name: str, spec: LinearSpec) -> TensorLayout:
         if name == "qweight":  # [K / pack, N]

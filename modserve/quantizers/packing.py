@@ -99,8 +99,3 @@ def from_int4pack(packed: torch.Tensor, in_features: int, group_size: int,
     s = scales_zeros[..., 0].float()
     z = torch.round(8 - scales_zeros[..., 1].float() / s).int()
     return q, s, z
-
-
-def avx512() -> bool:
-    """Whether this CPU runs torch's AVX-512 kernels (``_weight_int8pack_mm`` is fast there)."""
-    return torch.backends.cpu.get_cpu_capability().startswith("AVX512")
