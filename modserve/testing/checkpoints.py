@@ -26,6 +26,7 @@ from modserve.quantizers.calibration.formats import (  # noqa: F401  (pack_int32
     AWQ_PACK_ORDER, QUANTIZED_LINEARS, awq_quantize, awq_tensors, gptq_quantize, gptq_tensors, pack_int32,
     quantization_config,
 )
+from modserve.quantizers.calibration.rtn import round_to_nearest_checkpoint
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerFast
@@ -294,40 +295,15 @@ def act_order_g_idx(k: int, group_size: int, seed: object) -> torch.Tensor:
 def make_quantized_checkpoint(src: str | os.PathLike, out_dir: str | os.PathLike, method: str,
                               bits: int = 4, group_size: int = 32, desc_act: bool = False,
                               checkpoint_format: str = "gptq") -> Path:
-    """Copy float checkpoint ``src`` with every decoder linear quantized (``method``: awq or
-    gptq); embeddings, norms, biases and lm_head stay as they are."""
-    from safetensors.torch import load_file, save_file
-
-    src, out = Path(src), Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    for f in src.iterdir():
-        if f.is_file() and f.suffix != ".safetensors" and f.name not in ("modserve_key.json", "config.json"):
-            shutil.copy(f, out / f.name)
-    weights: dict[str, torch.Tensor] = {}
-    for file in sorted(src.glob("*.safetensors")):
-        weights.update(load_file(file))
-    quantized: dict[str, torch.Tensor] = {}
-    for name, w in weights.items():
-        module, _, leaf = name.rpartition(".")
-        kind = module.rpartition(".")[2]
-        if leaf != "weight" or kind not in QUANTIZED_LINEARS:
-            quantized[name] = w
-            continue
-        if method == "awq":
-            quantized.update(awq_tensors(module, *awq_quantize(w, group_size)))
-            continue
-        k = w.shape[1]
+    """Copy float checkpoint ``src`` with every decoder linear quantized to nearest (``method``:
+    awq or gptq); ``desc_act`` takes each layer's channels in a seeded order."""
+    def g_idx_of(module: str, kind: str, k: int) -> torch.Tensor:
         # Layers that read the same input (q/k/v, gate/up) share GPTQ's column order.
         reads = "attn" if kind in ("q_proj", "k_proj", "v_proj") else "mlp" if kind != "o_proj" else kind
-        seed = (module.rpartition(".")[0].rpartition(".")[0], reads, k)
-        g_idx = act_order_g_idx(k, group_size, seed) if desc_act else torch.arange(k, dtype=torch.int32) // group_size
-        quantized.update(gptq_tensors(module, *gptq_quantize(w, bits, group_size, g_idx), g_idx, bits,
-                                      checkpoint_format))
-    save_file(quantized, str(out / "model.safetensors"), metadata={"format": "pt"})
-    config = json.loads((src / "config.json").read_text())
-    config["quantization_config"] = quantization_config(method, bits, group_size, desc_act, checkpoint_format)
-    (out / "config.json").write_text(json.dumps(config, indent=2))
-    return out
+        return act_order_g_idx(k, group_size, (module.rpartition(".")[0].rpartition(".")[0], reads, k))
+
+    return round_to_nearest_checkpoint(src, out_dir, method, bits, group_size, desc_act, checkpoint_format,
+                                       g_idx_of if desc_act else None)
 
 
 def cached_quantized_checkpoint(method: str, arch: str = "llama", preset: str = "tiny",

@@ -44,9 +44,9 @@ def cmd_quantize(args: argparse.Namespace) -> int:
         if args.desc_act:
             print("error: --desc-act needs calibration (it orders columns by the Hessian); drop --rtn", file=sys.stderr)
             return 2
-        from modserve.testing.checkpoints import make_quantized_checkpoint
+        from modserve.quantizers.calibration.rtn import round_to_nearest_checkpoint
 
-        make_quantized_checkpoint(args.model, args.out, args.method, args.bits, args.group_size)
+        round_to_nearest_checkpoint(args.model, args.out, args.method, args.bits, args.group_size)
         print(f"wrote {args.out} ({args.method}, {args.bits} bits, group {args.group_size}, round to nearest)")
         return 0
     if not args.calibration_text:
