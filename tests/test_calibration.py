@@ -132,3 +132,9 @@ def test_cli_writes_a_checkpoint_and_names_what_is_wrong(llama_dir, text, tmp_pa
     assert main(["quantize", "--model", str(out), "--out", str(tmp_path / "y"), "--method", "gptq",
                  "--calibration-text", str(text), "--group-size", str(G)]) == 2
     assert "is already quantized (awq)" in capsys.readouterr().err
+    rtn = tmp_path / "rtn"
+    assert main(["quantize", "--model", llama_dir, "--out", str(rtn), "--method", "gptq", "--rtn",
+                 "--group-size", str(G)]) == 0
+    assert "round to nearest" in capsys.readouterr().out
+    config = json.loads((rtn / "config.json").read_text())["quantization_config"]
+    assert (config["quant_method"], config["bits"], config["group_size"]) == ("gptq", 4, G)
