@@ -68,20 +68,40 @@ def test_compiled_logprobs_match_eager(bf16_reference, compiled_llm):
             assert x["logprob"] == pytest.approx(y["logprob"], abs=1e-4)
 
 
+def test_int8_with_its_cpu_kernel_compiles_to_the_eager_tokens(bf16_reference):
+    """int8's C++ op traces (Quantizer.traceable), so compile auto may compile an int8 model;
+    compiled, it decodes the tokens eager int8 does. Its dequant path does not trace."""
+    path, ids, _ = bf16_reference
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True, logprobs=0)
+    runs = {}
+    for compile in ("on", "off"):
+        llm = LLM(path, compile=compile, quantization="int8", num_kv_blocks=128, progress=False)
+        assert llm.engine.runner.compiled == (compile == "on") and llm.engine.runner.quantizer.traceable()
+        runs[compile] = [o.outputs[0] for o in llm.generate(ids, params, use_tqdm=False)]
+    for a, b in zip(runs["on"], runs["off"], strict=True):
+        assert a.token_ids == b.token_ids
+        for x, y in zip(a.logprobs, b.logprobs, strict=True):
+            assert x["logprob"] == pytest.approx(y["logprob"], abs=1e-4)
+    dequant = LLM(path, quantization={"name": "int8", "options": {"kernel": "dequant"}}, num_kv_blocks=128,
+                  progress=False)
+    assert not dequant.engine.runner.quantizer.traceable()
+
+
 def test_compile_auto_stays_off_for_small_models(bf16_reference):
     llm = LLM(bf16_reference[0], num_kv_blocks=128, progress=False)
     assert not llm.engine.runner.compiled
     assert not any(hasattr(m, "decode_weight") for m in llm.engine.runner.model.modules())
 
 
-def test_no_request_compiles_after_start(bf16_reference):
+@pytest.mark.parametrize("quantization", [None, "int8"])
+def test_no_request_compiles_after_start(bf16_reference, quantization):
     """The start-up warm-up makes every graph a request needs (layers and logits, one row
     and several), so no request stalls on a compile. A fresh process: dynamo's graphs are
     per process, and this module's other tests have made them all already."""
     code = (
         "import sys, torch\n"
         "from modserve import LLM, SamplingParams\n"
-        "llm = LLM(sys.argv[1], compile='on', num_kv_blocks=128, progress=False)\n"
+        f"llm = LLM(sys.argv[1], compile='on', num_kv_blocks=128, progress=False, quantization={quantization!r})\n"
         "torch.compiler.set_stance('fail_on_recompile')\n"
         "p = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)\n"
         "llm.generate([[5, 6, 7], [8, 9]], p, use_tqdm=False)\n"

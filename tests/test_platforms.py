@@ -116,10 +116,11 @@ def test_cuda_rules_hold_without_a_gpu(caplog):
     with caplog.at_level("INFO", logger="modserve"):
         assert platform.finish_model(torch.nn.Module(), load) == FinishedModel(compiled=False)
     assert "compile auto: off (0 MiB of weights: compiling would take longer than it saves)" in caplog.text
-    # auto compiles an unquantized model of 64 MiB or more, never a quantized one
+    # auto compiles a model of 64 MiB or more, unquantized or with a quantizer whose apply traces
     assert platform.compile_wanted("auto", 64 * 2**20, quantized=False)
     assert not platform.compile_wanted("auto", 64 * 2**20 - 1, quantized=False)
     assert not platform.compile_wanted("auto", 2**30, quantized=True)
+    assert platform.compile_wanted("auto", 2**30, quantized=True, traceable=True)  # e.g. int8's C++ op
     assert platform.compile_wanted("on", 0, quantized=True) and not platform.compile_wanted("off", 2**30, False)
     assert "prepack_weights auto: off (packed weights are for CPU GEMMs, not cuda)" in caplog.text
     with pytest.raises(ValueError, match="prepack_weights: on, but packed weights are for CPU GEMMs, not cuda"):

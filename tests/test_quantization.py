@@ -135,7 +135,8 @@ def ref_weight(method: str, tensors: dict[str, torch.Tensor], module: str, qcfg:
 REPACKED = {"int8": "int8pack", "awq": "int4pack", "gptq4": "int4pack", "gptq4-act-order": "int4pack"}
 
 
-@pytest.mark.parametrize("method,kernel", [(m, "dequant") for m in METHODS] + list(REPACKED.items()))
+@pytest.mark.parametrize("method,kernel", [(m, "dequant") for m in METHODS] + list(REPACKED.items())
+                         + [("int8", "cpu")])
 def test_dequantized_weights_equal_the_reference_bit_for_bit(method, kernel, float_dir, cache_root):
     name = METHODS[method][1]
     path = model_dir(method, float_dir, cache_root)
@@ -226,8 +227,9 @@ def test_the_quantized_model_is_the_float_model_with_dequantized_weights(method,
     assert max_abs < 1e-4, f"{method}: {max_abs}"
 
 
-@pytest.mark.parametrize("method,kernel", [("int8", "int8pack"), ("awq", "int4pack"), ("gptq4", "int4pack"),
-                                           ("gptq4-act-order", "int4pack"), ("fp8", "scaled_mm")])
+@pytest.mark.parametrize("method,kernel", [("int8", "int8pack"), ("int8", "cpu"), ("awq", "int4pack"),
+                                           ("gptq4", "int4pack"), ("gptq4-act-order", "int4pack"),
+                                           ("fp8", "scaled_mm")])
 def test_kernels_agree_with_dequantize_then_matmul(method, kernel, float_dir, cache_root, float_reference):
     """torch's int8/int4 CPU kernels (named: auto never picks them) and the fp8 scaled matmul (GPUs with
     fp8 tensor cores; torch also runs it on CPU) against the dequantizing path, forced here."""
@@ -238,6 +240,25 @@ def test_kernels_agree_with_dequantize_then_matmul(method, kernel, float_dir, ca
     max_abs, _ = logit_error(got, want)
     # fp8 x fp8 also quantizes the activations (exactness: test_fp8_scaled_mm_is_the_fp8_product)
     assert max_abs < (TOLERANCE["fp8"][0] if kernel == "scaled_mm" else 1e-4), f"{method} {kernel}: {max_abs}"
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 8, 9, 12, 16, 17, 64])
+def test_int8_cpu_kernel_is_the_scaled_int8_product(rows):
+    """``int8`` kernel ``cpu`` (auto's choice on a CPU): up to 16 rows read the int8 weights in
+    C++, more widen them for a GEMM; both give (x @ q.T) * s + b. K = 200 is no multiple of the
+    vector width and N = 300 none of a thread's claim, so every tail runs."""
+    from modserve.quantizers.int8 import load_cpu_kernel
+
+    assert load_cpu_kernel() is None
+    g = torch.Generator().manual_seed(rows)
+    q = torch.randint(-127, 128, (300, 200), dtype=torch.int8, generator=g)
+    s, b, x = torch.rand(300, generator=g) / 50, torch.randn(300, generator=g), torch.randn(rows, 200, generator=g)
+    want = (x.double() @ q.double().T) * s.double() + b.double()
+    for bias in (b, None):
+        got = torch.ops.modserve_int8.linear(x, q, s, bias)
+        assert got.shape == (rows, 300) and got.dtype == torch.float32
+        torch.testing.assert_close(got.double(), want if bias is not None else want - b.double(),
+                                   atol=1e-4, rtol=1e-5)
 
 
 def test_fp8_scaled_mm_is_the_fp8_product():

@@ -9,7 +9,8 @@ ninja), :func:`load_kernel` says why once and the caller keeps its torch-ops pat
 ``-march=native``: a kernel is built for the machine that runs it (AVX2/FMA where there
 are); ``-fopenmp``: ``at::parallel_for`` is inline OpenMP, so without it a kernel runs
 on one thread. ``csrc/`` here is on every kernel's include path, so any kernel may
-``#include "claims.h"`` (work split by atomic claims instead of a static partition).
+``#include "claims.h"`` (work split by atomic claims instead of a static partition) or
+``row_passes.h`` (the few-row kernels' passes over a weight matrix).
 
 Each build lives in its own folder under ``$MODSERVE_CACHE`` (default
 ``~/.cache/modserve``)``/kernels``, named by a hash of the source, the headers, the flags,

@@ -113,7 +113,8 @@ class EngineConfig(BaseModel):
         "machine), ray (Ray actors, several machines); default mp when tensor_parallel_size > 1, else uni")
     compile: Literal["auto", "on", "off"] = Field(
         "auto", description="torch.compile each layer's ops around attention (and, on CPU with a 16-bit "
-        "checkpoint, the batch-1 decode GEMV); auto: on for CPU models of 64 MiB of weights or more")
+        "checkpoint, the batch-1 decode GEMV); auto: on for models of 64 MiB of weights or more, quantized "
+        "ones when the quantizer's kernels trace (int8 on a CPU)")
     prepack_weights: Literal["auto", "on", "off"] = Field(
         "auto", description="CPU, float32: pack each linear's weight once for batched GEMMs (faster "
         "batched steps; a second float32 copy); auto: on for unquantized CPU models of 64 MiB or more")

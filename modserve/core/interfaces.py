@@ -644,6 +644,13 @@ class Quantizer(ABC):
     @abstractmethod
     def weight_bytes(self, spec: LinearSpec) -> int: ...
 
+    def traceable(self) -> bool:
+        """Asked once every layer's weights are processed: whether ``apply`` traces under
+        ``torch.compile`` (every op it calls has a fake kernel; no Python state changes
+        between calls), so ``compile: auto`` may compile the model as an unquantized one.
+        Default: False (the model runs eagerly unless ``compile: on``)."""
+        return False
+
 
 # ---------------------------------------------------------------------------
 # Platforms
@@ -658,6 +665,7 @@ class ModelLoad:
     dtype: torch.dtype  # the compute dtype
     checkpoint_dtype: torch.dtype  # the checkpoint's own
     quantized: bool  # a quantizer owns the projections' weights (never the LM head's)
+    quantizer_traceable: bool = False  # its apply traces under torch.compile (Quantizer.traceable)
 
 
 class FinishedModel(NamedTuple):

@@ -177,7 +177,7 @@ class ModelRunner:
         cfg = self.config
         finished = self.platform.finish_model(model, ModelLoad(
             cfg.compile, cfg.dtype, cfg.prepack_weights, self.dtype, checkpoint_dtype(self.hf_config),
-            self.quantizer is not None))
+            self.quantizer is not None, self.quantizer is not None and self.quantizer.traceable()))
         self.compiled = finished.compiled
         self.weight_bytes = model_bytes(model)
         self.decode_weight_bytes = finished.decode_weight_bytes or self.weight_bytes  # what a decode step reads

@@ -13,6 +13,8 @@ row's inputs, with scales of its own (finer, so the logits differ from TP=1's by
 
 from __future__ import annotations
 
+import functools
+from pathlib import Path
 from typing import Literal
 
 import torch
@@ -21,16 +23,22 @@ from pydantic import BaseModel, ConfigDict
 from torch import nn
 
 from modserve.api import LinearSpec, Quantizer, check_name, load_shard, param
+from modserve.api.cpp import load_kernel
 from modserve.quantizers.packing import Workspace
+
+KERNEL = Path(__file__).parent / "csrc" / "int8_linear.cpp"
 
 
 class Int8Options(BaseModel):
     model_config = ConfigDict(extra="forbid")
+    # cpu: a C++ op (csrc/int8_linear.cpp) for float32 on a CPU: up to 16 rows read the int8
+    # weights once per 8 rows (half the bytes of bf16 for decode), more widen them for a GEMM.
     # int8pack: torch's _weight_int8pack_mm; dequant: int8 -> float, then a float GEMM.
-    # auto: dequant. NOTE: torch 2.13's CPU _weight_int8pack_mm costs time linear in the rows even
-    # on AVX-512 (a [T, 768] x [768, 2048] product, 1 thread: 1.7 ms at T=1, 100 ms at 64, against
-    # 0.25 and 3.1 ms for dequant), so it runs only when named.
-    kernel: Literal["auto", "int8pack", "dequant"] = "auto"
+    # auto: cpu where it applies and builds, else dequant. NOTE: torch 2.13's CPU
+    # _weight_int8pack_mm costs time linear in the rows even on AVX-512 (a [T, 768] x [768, 2048]
+    # product, 1 thread: 1.7 ms at T=1, 100 ms at 64, against 0.25 and 3.1 ms for dequant), so it
+    # runs only when named.
+    kernel: Literal["auto", "cpu", "int8pack", "dequant"] = "auto"
 
 
 def quantize_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -46,6 +54,7 @@ class Int8(Quantizer):
     def __init__(self, checkpoint_config=None, options: Int8Options | None = None) -> None:
         super().__init__(checkpoint_config, options or Int8Options())
         self.workspace = Workspace()
+        self.kernels: set[str] = set()  # the kernels the layers run
 
     def create_weights(self, layer: nn.Module, spec: LinearSpec) -> None:
         layer.qweight = param(torch.empty(spec.out_features, spec.in_features, dtype=torch.int8))  # [N, K]
@@ -59,9 +68,20 @@ class Int8(Quantizer):
 
     def process_weights(self, layer: nn.Module) -> None:
         kernel = self.options.kernel
-        layer.kernel = "dequant" if kernel == "auto" else kernel
+        if kernel in ("auto", "cpu"):
+            problem = cpu_kernel_problem(layer.qweight.device, layer.spec.dtype)
+            if problem and kernel == "cpu":
+                raise ValueError(f"int8 kernel cpu cannot run: {problem}")
+            kernel = "dequant" if problem else "cpu"
+        layer.kernel = kernel
+        self.kernels.add(kernel)
+
+    def traceable(self) -> bool:
+        return self.kernels == {"cpu"}  # one C++ op with a fake; dequant's workspace is Python state
 
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        if layer.kernel == "cpu":
+            return torch.ops.modserve_int8.linear(x, layer.qweight, layer.scales, layer.bias)  # [T, N]
         if layer.kernel == "int8pack":
             y = torch.ops.aten._weight_int8pack_mm(x, layer.qweight, layer.scales.to(x.dtype))  # [T, N]
             return y if layer.bias is None else y + layer.bias
@@ -76,3 +96,27 @@ class Int8(Quantizer):
 
     def weight_bytes(self, spec: LinearSpec) -> int:
         return spec.out_features * spec.in_features + 4 * spec.out_features
+
+
+
+def cpu_kernel_problem(device: torch.device, dtype: torch.dtype) -> str | None:
+    """Why ``modserve_int8::linear`` cannot run a layer, or None (it is then loaded)."""
+    if device.type != "cpu":
+        return f"the weights are on {device.type}, not a CPU"
+    if dtype != torch.float32:
+        return f"it computes in float32, this model in {str(dtype).removeprefix('torch.')}"
+    return load_cpu_kernel()
+
+
+def _linear_fake(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return x.new_empty(x.shape[0], qweight.shape[0])
+
+
+@functools.cache
+def load_cpu_kernel() -> str | None:
+    """Build or load ``modserve_int8::linear`` (with the shape function compiled regions
+    trace it by); None when loaded, else why not."""
+    problem = load_kernel("modserve_int8_linear", str(KERNEL))
+    if problem is None:
+        torch.library.register_fake("modserve_int8::linear")(_linear_fake)
+    return problem

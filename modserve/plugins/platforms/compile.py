@@ -39,15 +39,15 @@ def compile_regions(model: nn.Module) -> bool:
     return bool(compile_regions and compile_regions(compiler))
 
 
-def compile_wanted(setting: str, weight_bytes: int, quantized: bool) -> bool:
-    """The ``compile`` setting: ``auto`` is on for unquantized models of AUTO_COMPILE_MIN_BYTES or
-    more (logged when off, saying why). Compiled, each layer's elementwise chains (RMSNorm, RoPE,
+def compile_wanted(setting: str, weight_bytes: int, quantized: bool, traceable: bool = False) -> bool:
+    """The ``compile`` setting: ``auto`` is on for models of AUTO_COMPILE_MIN_BYTES or more,
+    unquantized or with a quantizer whose ``apply`` traces (logged when off, saying why). Compiled, each layer's elementwise chains (RMSNorm, RoPE,
     SiLU-and-mul, residual adds) fuse into a few kernels around the GEMMs and attention: C++ loops
     on a CPU, Triton kernels on a GPU."""
     if setting != "auto":
         return setting == "on"
-    if quantized:
-        logger.info("compile auto: off (quantized linears run eagerly; set compile: on to try them compiled)")
+    if quantized and not traceable:
+        logger.info("compile auto: off (this quantizer's linears run eagerly; set compile: on to try them compiled)")
         return False
     if weight_bytes < AUTO_COMPILE_MIN_BYTES:
         logger.info("compile auto: off (%.0f MiB of weights: compiling would take longer than it saves)",

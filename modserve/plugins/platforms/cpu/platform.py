@@ -48,7 +48,8 @@ class CpuPlatform(Platform):
         return CpuLinear()
 
     def finish_model(self, model: CausalLM, load: ModelLoad) -> FinishedModel:
-        compiled = self.compile_wanted(load.compile, model_bytes(model), load.quantized) and compile_regions(model)
+        compiled = (self.compile_wanted(load.compile, model_bytes(model), load.quantized, load.quantizer_traceable)
+                    and compile_regions(model))
         decode_dtype = decode_weight_dtype(load.dtype_setting, load.dtype, load.checkpoint_dtype, compiled)
         decode_bytes = add_decode_weights(model, decode_dtype) if decode_dtype is not None else None
         packed_bytes = 0
@@ -56,8 +57,8 @@ class CpuPlatform(Platform):
             packed_bytes = add_packed_weights(model)
         return FinishedModel(compiled, decode_bytes, packed_bytes)
 
-    def compile_wanted(self, setting: str, weight_bytes: int, quantized: bool) -> bool:
-        return compile_wanted(setting, weight_bytes, quantized)
+    def compile_wanted(self, setting: str, weight_bytes: int, quantized: bool, traceable: bool = False) -> bool:
+        return compile_wanted(setting, weight_bytes, quantized, traceable)
 
     def prepack_wanted(self, setting: str, dtype: torch.dtype, weight_bytes: int, quantized: bool) -> bool:
         """Whether to pack; ``on`` where packing cannot work is an error, ``auto`` logs why not."""

@@ -38,11 +38,11 @@ class CudaPlatform(Platform):
             raise ValueError(f"prepack_weights: on, but {problem}")
         if load.prepack_weights == "auto":
             logger.info("prepack_weights auto: off (%s)", problem)
-        return FinishedModel(self.compile_wanted(load.compile, model_bytes(model), load.quantized)
-                             and compile_regions(model))
+        wanted = self.compile_wanted(load.compile, model_bytes(model), load.quantized, load.quantizer_traceable)
+        return FinishedModel(wanted and compile_regions(model))
 
-    def compile_wanted(self, setting: str, weight_bytes: int, quantized: bool) -> bool:
-        return compile_wanted(setting, weight_bytes, quantized)
+    def compile_wanted(self, setting: str, weight_bytes: int, quantized: bool, traceable: bool = False) -> bool:
+        return compile_wanted(setting, weight_bytes, quantized, traceable)
 
     def capture_graphs(self, forward: StepForward, backend: AttentionBackend,
                        settings: GraphSettings) -> StepForward:
