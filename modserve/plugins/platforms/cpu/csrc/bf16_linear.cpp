@@ -20,7 +20,7 @@
 
 #include <immintrin.h>
 
-#include "claims.h"
+#include "row_passes.h"
 
 #include <algorithm>
 #include <cstdint>
@@ -246,26 +246,18 @@ at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& weight, const c10:
   // More than 8 rows: equal passes of up to 8 (12 rows: 6 + 6), each reading W once. Two
   // passes over bf16 weights move as many bytes as one over float32 ones, without the
   // GEMM's cost per row (9-16 rows: 10-25% less time than oneDNN's packed GEMM here).
-  const int64_t passes = (M + kPassRows - 1) / kPassRows, per_pass = (M + passes - 1) / passes;
-  for (int64_t r = 0; r < M; r += per_pass) {
-    const int64_t rows = std::min(per_pass, M - r);
-    const float* xr = xp + r * K;
-    float* yr = yp + r * N;
-    // four claims a thread, of at least 64 output features (~100 KB of weights) each (claims.h)
-    const int64_t grain = std::max<int64_t>(64, (N + 4 * at::get_num_threads() - 1) / (4 * at::get_num_threads()));
-    modserve::parallel_claims(N, grain, [&](int64_t begin, int64_t end) {
-      switch (rows) {
-        case 1: rows_times_weights<1, 4>(xr, wp, bp, yr, K, N, begin, end); break;
-        case 2: rows_times_weights<2, 2>(xr, wp, bp, yr, K, N, begin, end); break;
-        case 3: rows_times_weights<3, 2>(xr, wp, bp, yr, K, N, begin, end); break;
-        case 4: rows_times_weights<4, 2>(xr, wp, bp, yr, K, N, begin, end); break;
-        case 5: rows_times_weight_pairs<5>(xr, wp, bp, yr, K, N, begin, end); break;
-        case 6: rows_times_weight_pairs<6>(xr, wp, bp, yr, K, N, begin, end); break;
-        case 7: rows_times_weights<7, 1>(xr, wp, bp, yr, K, N, begin, end); break;
-        default: rows_times_weights<8, 1>(xr, wp, bp, yr, K, N, begin, end); break;
+  modserve::for_row_passes(M, N, kPassRows, [&](int64_t r, int64_t rows, int64_t begin, int64_t end) {
+    modserve::with_rows(rows, [&](auto m) {
+      constexpr int64_t R = decltype(m)::value;
+      const float* xr = xp + r * K;
+      float* yr = yp + r * N;
+      if constexpr (R == 5 || R == 6) {
+        rows_times_weight_pairs<R>(xr, wp, bp, yr, K, N, begin, end);
+      } else {
+        rows_times_weights<R, modserve::accumulators(R)>(xr, wp, bp, yr, K, N, begin, end);
       }
     });
-  }
+  });
   return y;
 }
 
