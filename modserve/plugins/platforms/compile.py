@@ -30,6 +30,10 @@ def compiler(fn: Callable) -> Callable:
     # A layer's index (an int attribute) must be a graph input, not a constant, or every
     # layer would compile its own copy of the same graph.
     torch._dynamo.config.allow_unspec_int_on_nn_module = True
+    # Every model built in a process adds its graphs to the same code object's cache (two per
+    # layer class and linear kind: float, int8, ...); past dynamo's default of 8, the next
+    # engine in that process (modserve compare's second side, a test session) would fail.
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
     return torch.compile(fn, dynamic=True, fullgraph=True)
 
 
