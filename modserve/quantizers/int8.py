@@ -98,7 +98,6 @@ class Int8(Quantizer):
         return spec.out_features * spec.in_features + 4 * spec.out_features
 
 
-
 def cpu_kernel_problem(device: torch.device, dtype: torch.dtype) -> str | None:
     """Why ``modserve_int8::linear`` cannot run a layer, or None (it is then loaded)."""
     if device.type != "cpu":
@@ -108,7 +107,8 @@ def cpu_kernel_problem(device: torch.device, dtype: torch.dtype) -> str | None:
     return load_cpu_kernel()
 
 
-def _linear_fake(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+def _linear_fake(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
+                 bias: torch.Tensor | None) -> torch.Tensor:
     return x.new_empty(x.shape[0], qweight.shape[0])
 
 

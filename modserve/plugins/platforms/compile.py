@@ -45,9 +45,9 @@ def compile_regions(model: nn.Module) -> bool:
 
 def compile_wanted(setting: str, weight_bytes: int, quantized: bool, traceable: bool = False) -> bool:
     """The ``compile`` setting: ``auto`` is on for models of AUTO_COMPILE_MIN_BYTES or more,
-    unquantized or with a quantizer whose ``apply`` traces (logged when off, saying why). Compiled, each layer's elementwise chains (RMSNorm, RoPE,
-    SiLU-and-mul, residual adds) fuse into a few kernels around the GEMMs and attention: C++ loops
-    on a CPU, Triton kernels on a GPU."""
+    unquantized or with a quantizer whose ``apply`` traces (logged when off, saying why).
+    Compiled, each layer's elementwise chains (RMSNorm, RoPE, SiLU-and-mul, residual adds) fuse
+    into a few kernels around the GEMMs and attention: C++ loops on a CPU, Triton kernels on a GPU."""
     if setting != "auto":
         return setting == "on"
     if quantized and not traceable:

@@ -1,10 +1,13 @@
 """The AWQ (GEMM) and GPTQ checkpoint formats as AutoAWQ and AutoGPTQ / GPTQModel write them:
-the integer grids, the int32 packing and the ``quantization_config``. Written independently of
+the integer grids, the int32 packing, the ``quantization_config`` and the checkpoint folder. Written independently of
 the engine's unpacking (modserve/quantizers/packing.py), so tests can hold one against the other.
 """
 
 from __future__ import annotations
 
+import json
+import shutil
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -88,3 +91,26 @@ def gptq_tensors(module: str, q: torch.Tensor, zeros: torch.Tensor, scales: torc
             f"{module}.qzeros": pack_int32(stored, bits, dim=1),  # [groups, N / pack]
             f"{module}.scales": scales,  # [groups, N]
             f"{module}.g_idx": g_idx}  # [K]
+
+
+def write_checkpoint(src: Path, out: Path, tensors: dict[str, torch.Tensor], config: dict[str, Any]) -> None:
+    """Write ``out``: float checkpoint ``src`` with ``tensors`` in place of its own (a linear
+    whose ``qweight`` is among them loses its float ``weight``; other names replace or add),
+    its other files copied and ``config`` as its ``quantization_config``."""
+    from safetensors.torch import load_file, save_file
+
+    out.mkdir(parents=True, exist_ok=True)
+    for f in src.iterdir():
+        # modserve_key.json: the cache key of modserve.testing's checkpoint cache, not the model's.
+        if f.is_file() and f.suffix != ".safetensors" and f.name not in ("modserve_key.json", "config.json"):
+            shutil.copy(f, out / f.name)
+    written: dict[str, torch.Tensor] = {}
+    for file in sorted(src.glob("*.safetensors")):
+        for name, w in load_file(file).items():
+            if f"{name.removesuffix('.weight')}.qweight" not in tensors:
+                written[name] = tensors.get(name, w)
+    written.update({k: v.contiguous() for k, v in tensors.items() if k not in written})
+    save_file(written, str(out / "model.safetensors"), metadata={"format": "pt"})
+    model_config = json.loads((src / "config.json").read_text())
+    model_config["quantization_config"] = config
+    (out / "config.json").write_text(json.dumps(model_config, indent=2))

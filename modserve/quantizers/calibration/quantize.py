@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -15,7 +14,7 @@ from modserve.quantizers.calibration.capture import (
     LLAMA_LINEARS, CalibrationError, Inputs, calibration_windows, decoder_layers, layer_inputs, linears,
 )
 from modserve.quantizers.calibration.formats import (
-    awq_quantize, awq_tensors, gptq_tensors, quantization_config,
+    awq_quantize, awq_tensors, gptq_tensors, quantization_config, write_checkpoint,
 )
 from modserve.quantizers.calibration.gptq_rounding import gptq_quantize_weight, gptq_round_to_nearest
 
@@ -157,28 +156,8 @@ def quantize_checkpoint(src: str | Path, out: str | Path, text: str | Path, s: S
                 rtn = fake_quantize(w0, s.group_size)
             report.calibrated[f"layers.{i}.{name}"] = relative_error(w0, effective, h)
             report.rtn[f"layers.{i}.{name}"] = relative_error(w0, rtn, h)
-    write_checkpoint(src, out, tensors, s)
+    write_checkpoint(src, out, tensors, quantization_config(s.method, s.bits, s.group_size, s.desc_act,
+                                                            damp_percent=s.damp_percent))
     report.model = model
     return report
 
-
-def write_checkpoint(src: Path, out: Path, tensors: dict[str, torch.Tensor], s: Settings) -> None:
-    from safetensors.torch import load_file, save_file
-
-    out.mkdir(parents=True, exist_ok=True)
-    for f in src.iterdir():
-        if f.is_file() and f.suffix != ".safetensors" and f.name != "config.json":
-            shutil.copy(f, out / f.name)
-    written: dict[str, torch.Tensor] = {}
-    for file in sorted(src.glob("*.safetensors")):
-        for name, w in load_file(file).items():
-            module = name.removesuffix(".weight")
-            if f"{module}.qweight" in tensors:
-                continue  # a quantized linear: its tensors come from `tensors`
-            written[name] = tensors.get(name, w)
-    written.update({k: v.contiguous() for k, v in tensors.items() if k not in written})
-    save_file(written, str(out / "model.safetensors"), metadata={"format": "pt"})
-    config = json.loads((src / "config.json").read_text())
-    config["quantization_config"] = quantization_config(s.method, s.bits, s.group_size, s.desc_act,
-                                                        damp_percent=s.damp_percent)
-    (out / "config.json").write_text(json.dumps(config, indent=2))

@@ -3,9 +3,7 @@ the baseline calibrated AWQ and GPTQ are measured against (``modserve quantize -
 
 from __future__ import annotations
 
-import json
 import os
-import shutil
 from collections.abc import Callable
 from pathlib import Path
 
@@ -13,6 +11,7 @@ import torch
 
 from modserve.quantizers.calibration.formats import (
     QUANTIZED_LINEARS, awq_quantize, awq_tensors, gptq_quantize, gptq_tensors, quantization_config,
+    write_checkpoint,
 )
 
 # g_idx_of(module, kind, in_features) -> [in_features] int32 group of each input channel.
@@ -25,32 +24,22 @@ def round_to_nearest_checkpoint(src: str | os.PathLike, out_dir: str | os.PathLi
     """Copy float checkpoint ``src`` with every decoder linear quantized (``method``: awq or
     gptq); embeddings, norms, biases and lm_head stay as they are. GPTQ groups run in channel
     order unless ``g_idx_of`` gives another (an act-order layout needs one)."""
-    from safetensors.torch import load_file, save_file
+    from safetensors.torch import load_file
 
     src, out = Path(src), Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    for f in src.iterdir():
-        # modserve_key.json: the cache key of modserve.testing's checkpoint cache, not the model's.
-        if f.is_file() and f.suffix != ".safetensors" and f.name not in ("modserve_key.json", "config.json"):
-            shutil.copy(f, out / f.name)
-    weights: dict[str, torch.Tensor] = {}
-    for file in sorted(src.glob("*.safetensors")):
-        weights.update(load_file(file))
     quantized: dict[str, torch.Tensor] = {}
-    for name, w in weights.items():
-        module, _, leaf = name.rpartition(".")
-        kind = module.rpartition(".")[2]
-        if leaf != "weight" or kind not in QUANTIZED_LINEARS:
-            quantized[name] = w
-        elif method == "awq":
-            quantized.update(awq_tensors(module, *awq_quantize(w, group_size)))
-        else:
+    for file in sorted(src.glob("*.safetensors")):
+        for name, w in load_file(file).items():
+            module, _, leaf = name.rpartition(".")
+            kind = module.rpartition(".")[2]
+            if leaf != "weight" or kind not in QUANTIZED_LINEARS:
+                continue  # embeddings, norms, biases, lm_head: written as they are
+            if method == "awq":
+                quantized.update(awq_tensors(module, *awq_quantize(w, group_size)))
+                continue
             k = w.shape[1]
             g_idx = g_idx_of(module, kind, k) if g_idx_of else torch.arange(k, dtype=torch.int32) // group_size
             quantized.update(gptq_tensors(module, *gptq_quantize(w, bits, group_size, g_idx), g_idx, bits,
                                           checkpoint_format))
-    save_file(quantized, str(out / "model.safetensors"), metadata={"format": "pt"})
-    config = json.loads((src / "config.json").read_text())
-    config["quantization_config"] = quantization_config(method, bits, group_size, desc_act, checkpoint_format)
-    (out / "config.json").write_text(json.dumps(config, indent=2))
+    write_checkpoint(src, out, quantized, quantization_config(method, bits, group_size, desc_act, checkpoint_format))
     return out

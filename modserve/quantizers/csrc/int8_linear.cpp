@@ -33,14 +33,16 @@ namespace {
 constexpr int64_t kLanes = 16;
 typedef float vf __attribute__((vector_size(64)));
 inline vf load_int8(const int8_t* p) {
-  return reinterpret_cast<vf>(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)))));
+  const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return reinterpret_cast<vf>(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q)));
 }
 inline float hsum(vf v) { return _mm512_reduce_add_ps(reinterpret_cast<__m512>(v)); }
 #elif defined(__AVX2__)
 constexpr int64_t kLanes = 8;
 typedef float vf __attribute__((vector_size(32)));
 inline vf load_int8(const int8_t* p) {
-  return reinterpret_cast<vf>(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)))));
+  const __m128i q = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+  return reinterpret_cast<vf>(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)));
 }
 inline float hsum(vf v) {
   const vf a = v + __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3);
