@@ -25,6 +25,7 @@ from modserve.core.hookspecs import PLUGIN_API_VERSION, Register, hookimpl
 if TYPE_CHECKING:  # for type checkers and IDEs; at run time each name is imported on first use
     from modserve.api.paged_kv import read_kv, slots, write_kv
     from modserve.api.cpp import load_kernel
+    from modserve.api.decoder import DecoderLayerLayout, DecoderLayout
     from modserve.api.fp8 import FP8, FP8_MAX, fp8_to_float, to_fp8
     from modserve.api.scheduling import Budget, admit, advance_running, chunk_size, start_budget
     from modserve.api.sequence import SequenceView
@@ -53,6 +54,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs; at run time each name is import
 _WHERE: dict[str, str] = {name: module for module, names in (
     ("modserve.api.paged_kv", "read_kv slots write_kv"),
     ("modserve.api.cpp", "load_kernel"),
+    ("modserve.api.decoder", "DecoderLayerLayout DecoderLayout"),
     ("modserve.api.fp8", "FP8 FP8_MAX fp8_to_float to_fp8"),
     ("modserve.api.scheduling", "Budget admit advance_running chunk_size start_budget"),
     ("modserve.api.sequence", "SequenceView"),
@@ -97,7 +99,7 @@ __all__ = [
     "Platform",
     "Proposer", "Quantizer", "Sampler", "Scheduler",
     # the data they receive and return
-    "AttentionMetadata", "AttentionSpec", "CudaGraphSupport", "FinishedModel", "GrammarSpec", "GrammarVocab",
+    "AttentionMetadata", "AttentionSpec", "CudaGraphSupport", "DecoderLayerLayout", "DecoderLayout", "FinishedModel", "GrammarSpec", "GrammarVocab",
     "GraphSettings", "LinearSpec", "StepForward",
     "ModelLoad", "Proposal", "ProposerContext", "SamplerOutput", "SamplingBatch", "SamplingParams", "Schedule",
     "SchedulerLimits", "SchedulerView", "Sequence", "SequenceStatus", "SequenceView", "StructuredOutputs",

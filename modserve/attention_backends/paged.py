@@ -140,6 +140,10 @@ class PagedAttention(AttentionBackend):
         s = self.spec
         return (2, num_blocks, s.num_kv_heads, s.block_size, s.head_dim)
 
+    def native_decode(self) -> str | None:
+        """The C++ kernel's path as one op (write k, v, then decode), where it runs."""
+        return "modserve_paged::decode_step" if self.kernel else None
+
     # -- once per step ---------------------------------------------------
     def prepare(self, meta: AttentionMetadata) -> PagedAttentionState:
         bs, hkv = self.spec.block_size, self.spec.num_kv_heads

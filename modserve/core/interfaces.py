@@ -126,6 +126,14 @@ class AttentionBackend(ABC):
         """Per-step work shared by all layers (index tensors, masks). Result goes to ``forward``."""
         return None
 
+    def native_decode(self) -> str | None:
+        """The qualified name of a registered op that does ``forward``'s work for a step of
+        decodes only, in sequence order, without ``prepare``: ``(q [T, H, D], k, v [T, Hkv, D],
+        kv_cache, slot_mapping [T], block_tables [T, max_blocks], seq_lens [T], scale: float)
+        -> [T, H, D]``, writing k, v first. A platform's native decode step calls it with no
+        Python around it. Default: None (no such op; the platform keeps the Python forward)."""
+        return None
+
     @abstractmethod
     def forward(
         self,
@@ -530,6 +538,13 @@ class CausalLM(torch.nn.Module):
         must stay outside the compiled parts. The default compiles nothing."""
         return False
 
+    def decoder_layout(self) -> Any:
+        """Optional: the model's tensors and linears as a standard pre-norm decoder
+        (a :class:`modserve.api.DecoderLayout`), for a platform that runs decode steps natively; None (the
+        default) where the model computes anything else (q/k norms, experts, a pipeline
+        stage, tensor parallelism)."""
+        return None
+
 
 # ---------------------------------------------------------------------------
 # Quantization
@@ -651,6 +666,13 @@ class Quantizer(ABC):
         Default: False (the model runs eagerly unless ``compile: on``)."""
         return False
 
+    def native_op(self, layer: torch.nn.Module) -> tuple[str, list[torch.Tensor | None]] | None:
+        """``apply(layer, x)`` as one registered op, for callers with no Python between ops (a
+        platform's native decode step): the op's qualified name and the arguments after ``x``,
+        such that ``op(x, *args)`` returns what ``apply`` does for float32 ``x [T, in]`` of up
+        to 16 rows. Asked after ``process_weights``. Default: None (no such op)."""
+        return None
+
 
 # ---------------------------------------------------------------------------
 # Platforms
@@ -685,6 +707,10 @@ class GraphSettings:
     max_num_seqs: int
     max_model_len: int
     block_size: int
+    # The model and its KV caches (one per layer), for a platform that runs decode steps
+    # itself (a native step) instead of replaying graphs of ``forward``.
+    model: CausalLM | None = None
+    kv_caches: tuple[torch.Tensor, ...] = ()
 
 
 # One step's forward: (input_ids [T], meta) -> hidden states [T, hidden].

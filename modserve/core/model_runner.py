@@ -236,7 +236,8 @@ class ModelRunner:
             cfg = self.config
             sizes = None if cfg.cuda_graph_sizes is None else tuple(cfg.cuda_graph_sizes)
             self.step_forward = self.platform.capture_graphs(self._forward, self.attn, GraphSettings(
-                sizes, cfg.attention_backend.name, cfg.max_num_seqs, self.max_model_len, self.block_size))
+                sizes, cfg.attention_backend.name, cfg.max_num_seqs, self.max_model_len, self.block_size, self.model,
+                tuple(self.kv_caches)))
 
     @torch.inference_mode()
     def move_blocks(self, copies: list[tuple[int, int]], swap_out: list[tuple[int, int]],

@@ -79,6 +79,9 @@ class Int8(Quantizer):
     def traceable(self) -> bool:
         return self.kernels == {"cpu"}  # one C++ op with a fake; dequant's workspace is Python state
 
+    def native_op(self, layer: nn.Module) -> tuple[str, list[torch.Tensor | None]] | None:
+        return ("modserve_int8::linear", [layer.qweight, layer.scales, layer.bias]) if layer.kernel == "cpu" else None
+
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         if layer.kernel == "cpu":
             return torch.ops.modserve_int8.linear(x, layer.qweight, layer.scales, layer.bias)  # [T, N]

@@ -248,9 +248,43 @@ at::Tensor decode(const at::Tensor& q, const at::Tensor& key_cache, const at::Te
   return out;
 }
 
+// The backend's forward for a step of T decodes in sequence order, as one op (what a native
+// decode step calls): write k, v [T, Hkv, D] at slot_mapping [T] (-1: nowhere) into
+// kv_cache [2, num_blocks, Hkv, block_size, D], then decode() over it.
+at::Tensor decode_step(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& kv_cache,
+                       const at::Tensor& slot_mapping, const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                       double scale) {
+  TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(0) == 2 && kv_cache.is_contiguous() &&
+                  kv_cache.scalar_type() == at::kFloat && k.scalar_type() == at::kFloat &&
+                  v.scalar_type() == at::kFloat,
+              "modserve_paged.decode_step: float32 k, v and cache [2, blocks, Hkv, block_size, D]");
+  const int64_t T = k.size(0), Hkv = kv_cache.size(2), block_size = kv_cache.size(3), D = kv_cache.size(4);
+  TORCH_CHECK(k.sizes() == v.sizes() && k.size(1) == Hkv && k.size(2) == D && slot_mapping.size(0) == T,
+              "modserve_paged.decode_step: k, v [T, Hkv, D] and one slot per row");
+  const at::Tensor kc = k.contiguous(), vc = v.contiguous(), slots = slot_mapping.to(at::kLong).contiguous();
+  const int64_t* sp = slots.data_ptr<int64_t>();
+  float* key_cache = kv_cache.data_ptr<float>();
+  float* value_cache = key_cache + kv_cache.stride(0);
+  const int64_t slot_count = kv_cache.size(1) * block_size;
+  for (int64_t t = 0; t < T; ++t) {
+    const int64_t slot = sp[t];
+    if (slot < 0) continue;
+    TORCH_CHECK(slot < slot_count, "modserve_paged.decode_step: slot beyond the cache");
+    for (int64_t h = 0; h < Hkv; ++h) {
+      const int64_t row = ((slot / block_size) * Hkv + h) * block_size + slot % block_size;
+      std::memcpy(key_cache + row * D, kc.data_ptr<float>() + (t * Hkv + h) * D, D * sizeof(float));
+      std::memcpy(value_cache + row * D, vc.data_ptr<float>() + (t * Hkv + h) * D, D * sizeof(float));
+    }
+  }
+  return decode(q, kv_cache.select(0, 0), kv_cache.select(0, 1), block_tables, seq_lens, scale);
+}
+
 }  // namespace
 
 TORCH_LIBRARY(modserve_paged, m) {
   m.def("decode(Tensor q, Tensor key_cache, Tensor value_cache, Tensor block_tables, Tensor seq_lens, float scale) -> Tensor");
+  m.def("decode_step(Tensor q, Tensor k, Tensor v, Tensor(a!) kv_cache, Tensor slot_mapping, Tensor block_tables, "
+        "Tensor seq_lens, float scale) -> Tensor");
   m.impl("decode", c10::DispatchKey::CPU, TORCH_FN(decode));
+  m.impl("decode_step", c10::DispatchKey::CPU, TORCH_FN(decode_step));
 }

@@ -18,7 +18,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from modserve.api import (
-    AttentionBackend, CausalLM, Linear, LinearFactory, attention, forward_context, linear_factory)
+    AttentionBackend, CausalLM, DecoderLayerLayout, DecoderLayout, Linear, LinearFactory, attention, forward_context,
+    linear_factory)
 
 
 class RMSNorm(nn.Module):
@@ -226,6 +227,24 @@ class LlamaForCausalLM(CausalLM):
         self.compute_logits = functools.partial(compiler(type(self).compute_logits), self)
         self.rope.build(self.embed_tokens.weight.device)  # no lazy branch inside the graph
         return True
+
+    def decoder_layout(self) -> DecoderLayout | None:
+        """Plain Llama layers only: a subclass that changes a layer (q/k norms, experts), a
+        pipeline stage or tensor parallelism computes something else."""
+        layers = [self.layers[i] for i in range(len(self.layers))]
+        attn = layers[0].self_attn if layers else None
+        plain = (attn is not None and self.stage == range(len(layers)) and self.embed_tokens.tp.size == 1
+                 and all(type(m) is DecoderLayer and type(m.self_attn) is Attention and type(m.mlp) is MLP
+                         for m in layers))
+        if not plain:
+            return None
+        self.rope.build(self.embed_tokens.weight.device)
+        return DecoderLayout(
+            self.embed_tokens.weight, tuple(DecoderLayerLayout(
+                m.input_layernorm.weight, m.self_attn.qkv_proj, m.self_attn.o_proj, m.post_attention_layernorm.weight,
+                m.mlp.gate_up_proj, m.mlp.down_proj) for m in layers),
+            self.norm.weight, self.rope.cos, self.rope.sin, attn.num_heads, attn.num_kv_heads, attn.head_dim,
+            self.norm.eps)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Tensors of a linear go to it (``layers.0.self_attn.q_proj.qweight`` -> shard 0 of

@@ -44,6 +44,13 @@ class CpuLinear(Unquantized):
         return linear_or_gemv(x, layer.weight, layer.bias, getattr(layer, "decode_weight", None),
                               getattr(layer, "packed_weight", None))
 
+    def native_op(self, layer: nn.Module) -> tuple[str, list[torch.Tensor | None]] | None:
+        decode_weight = getattr(layer, "decode_weight", None)
+        if decode_weight is None or decode_weight.dtype != torch.bfloat16 or not _bf16_kernel:
+            return None
+        return "modserve_cpu::few_rows_linear", [layer.weight, decode_weight, getattr(layer, "packed_weight", None),
+                                                  layer.bias]
+
 
 def linear_or_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                    decode_weight: torch.Tensor | None, packed_weight: torch.Tensor | None = None) -> torch.Tensor:

@@ -6,23 +6,30 @@ from __future__ import annotations
 import logging
 
 import torch
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
 
-from modserve.api import CausalLM, FinishedModel, ModelLoad, Platform, Unquantized, model_bytes
+from modserve.api import (
+    AttentionBackend, CausalLM, FinishedModel, GraphSettings, ModelLoad, Platform, StepForward, Unquantized,
+    model_bytes)
 from modserve.plugins.platforms.compile import AUTO_COMPILE_MIN_BYTES, compile_regions, compile_wanted
 from modserve.plugins.platforms.cpu.host_memory import keep_freed_memory
 from modserve.plugins.platforms.cpu.linear import CpuLinear, add_decode_weights, decode_weight_dtype
+from modserve.plugins.platforms.cpu.native_decode import native_decode_step
 from modserve.plugins.platforms.cpu.prepack import add_packed_weights
 
 logger = logging.getLogger("modserve")
 
 
+class CpuOptions(BaseModel):
+    native_decode: bool = Field(True, description="Run steps of up to 16 decodes as one C++ call where the model, "
+                                "its linears and the attention backend allow (false: the compiled forward)")
+
 
 class CpuPlatform(Platform):
-    def __init__(self, device: torch.device, options: BaseModel | None = None) -> None:
+    def __init__(self, device: torch.device, options: CpuOptions | None = None) -> None:
         if device.type != "cpu":
             raise ValueError(f"the cpu platform runs on device cpu, not {device}")
-        super().__init__(device, options)
+        super().__init__(device, options or CpuOptions())
 
     def prepare_process(self) -> None:
         keep_freed_memory()  # a step's activations reuse the last step's pages
@@ -56,6 +63,13 @@ class CpuPlatform(Platform):
         if self.prepack_wanted(load.prepack_weights, load.dtype, model_bytes(model), load.quantized):
             packed_bytes = add_packed_weights(model)
         return FinishedModel(compiled, decode_bytes, packed_bytes)
+
+    def capture_graphs(self, forward: StepForward, backend: AttentionBackend,
+                       settings: GraphSettings) -> StepForward:
+        """No graphs on a CPU: the native decode step where it runs (:mod:`.native_decode`)."""
+        if not self.options.native_decode:
+            return forward
+        return native_decode_step(forward, backend, settings) or forward
 
     def compile_wanted(self, setting: str, weight_bytes: int, quantized: bool, traceable: bool = False) -> bool:
         return compile_wanted(setting, weight_bytes, quantized, traceable)
