@@ -25,11 +25,13 @@ class DecoderLayerLayout:
 class DecoderLayout:
     """A Llama-style decoder: embedding, layers of :class:`DecoderLayerLayout` (RMSNorm with
     ``eps``, rotate-half RoPE from ``cos``/``sin`` rows at each position, grouped-query
-    attention, SiLU-gated MLP), a final RMSNorm; hidden states out, normed."""
+    attention, SiLU-gated MLP), a final RMSNorm; hidden states out, normed; logits by the
+    LM head alone."""
 
     embedding: torch.Tensor  # [vocab, hidden]
     layers: tuple[DecoderLayerLayout, ...]
     final_norm: torch.Tensor  # [hidden]
+    lm_head: torch.nn.Module  # [hidden] -> [vocab]: compute_logits is this linear alone, in float32
     cos: torch.Tensor  # [max_positions, D] float32
     sin: torch.Tensor  # [max_positions, D]
     num_heads: int

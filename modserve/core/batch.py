@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import torch
 
@@ -17,38 +19,41 @@ def build_batch(
 ) -> tuple[torch.Tensor, AttentionMetadata]:
     """Input ids [T] and the attention metadata for sequences whose new tokens sit
     at positions ``context_lens[i] .. context_lens[i] + len(chunks[i]) - 1``."""
+    # In numpy, then one from_numpy each: a step of one decode is built in 26 us, where the
+    # same ~15 ops as torch calls took 86 us (of a ~6 ms step).
     q_list = [len(c) for c in chunks]
-    q_lens = torch.tensor(q_list, dtype=torch.int64)
-    ctx = torch.tensor(context_lens, dtype=torch.int64)
+    n = len(chunks)
+    q_lens = np.array(q_list, dtype=np.int64)
+    ctx = np.array(context_lens, dtype=np.int64)
     seq_lens = ctx + q_lens
-    cu = torch.zeros(len(chunks) + 1, dtype=torch.int64)
-    torch.cumsum(q_lens, 0, out=cu[1:])
+    cu = np.zeros(n + 1, dtype=np.int64)
+    np.cumsum(q_lens, out=cu[1:])
     num_tokens = int(cu[-1])
     # position of token t = t - start of its sequence's rows + that sequence's context length
-    positions = torch.arange(num_tokens) + torch.repeat_interleave(ctx - cu[:-1], q_lens)
-    table = np.zeros((len(chunks), max(len(b) for b in block_tables)), dtype=np.int64)
+    positions = np.arange(num_tokens, dtype=np.int64) + np.repeat(ctx - cu[:-1], q_lens)
+    table = np.zeros((n, max(len(b) for b in block_tables)), dtype=np.int64)
     for i, blocks in enumerate(block_tables):
         table[i, : len(blocks)] = blocks
-    tables = torch.from_numpy(table)
-    rows = torch.repeat_interleave(torch.arange(len(chunks)), q_lens)
-    slot_mapping = tables[rows, positions // block_size] * block_size + positions % block_size
-    ids = [t for c in chunks for t in c]
+    rows = np.repeat(np.arange(n), q_lens)
+    slot_mapping = table[rows, positions // block_size] * block_size + positions % block_size
+    ids = np.fromiter(itertools.chain.from_iterable(chunks), dtype=np.int64, count=num_tokens)
+    tensor = lambda a: torch.from_numpy(a).to(device)  # noqa: E731
     meta = AttentionMetadata(
         num_tokens=num_tokens,
-        positions=positions.to(device),
-        slot_mapping=slot_mapping.to(device),
-        query_start_loc=cu.to(device),
-        query_lens=q_lens.to(device),
-        context_lens=ctx.to(device),
-        seq_lens=seq_lens.to(device),
-        block_tables=tables.to(device),
+        positions=tensor(positions),
+        slot_mapping=tensor(slot_mapping),
+        query_start_loc=tensor(cu),
+        query_lens=tensor(q_lens),
+        context_lens=tensor(ctx),
+        seq_lens=tensor(seq_lens),
+        block_tables=tensor(table),
         query_lens_cpu=q_list,
         seq_lens_cpu=seq_lens.tolist(),
         context_lens_cpu=list(context_lens),
         max_query_len=max(q_list),
         max_seq_len=int(seq_lens.max()),
     )
-    return torch.tensor(ids, dtype=torch.int64, device=device), meta
+    return tensor(ids), meta
 
 
 # pipeline_micro_batches auto: the fewest tokens a micro-batch is cut to. Below it (decodes) a
