@@ -19,6 +19,7 @@ from modserve.api import (
     Register, Schedule, SchedulerLimits, SchedulerView, Sequence, TensorLayout, WorkerSpec, hookimpl, read_kv, slots,
     write_kv)
 from modserve.api.fp8 import FP8
+from modserve.attention_backends.paged import PagedAttention
 from modserve.plugins.grammars.xgrammar_backend import XGrammarBackend
 from modserve.plugins.executors.mp import MultiprocessExecutor, MultiprocessOptions
 from modserve.plugins.executors.uni import UniExecutor
@@ -381,6 +382,20 @@ def grammar(fault: str) -> type[XGrammarBackend]:
     return type(f"Grammar_{fault}", (FaultyGrammar,), {"fault": fault})
 
 
+@torch.library.custom_op("modserve_broken::decode_without_write", mutates_args=("kv_cache",))
+def _decode_without_write(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+                          slot_mapping: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                          scale: float) -> torch.Tensor:
+    return torch.ops.modserve_paged.decode(q, kv_cache[0], kv_cache[1], block_tables, seq_lens, scale)
+
+
+class NativeDecodeSkipsWrite(PagedAttention):
+    """paged, but the native decode op it names attends without writing the step's k, v first."""
+
+    def native_decode(self) -> str | None:
+        return "modserve_broken::decode_without_write" if self.kernel else None
+
+
 # -- quantizers: int8 with one fault each ---------------------------------------------------
 class ApplyIgnoresBias(Int8):
     def apply(self, layer: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -389,6 +404,12 @@ class ApplyIgnoresBias(Int8):
             return super().apply(layer, x)
         finally:
             layer.bias = bias
+
+
+class NativeOpDropsScales(Int8):
+    def native_op(self, layer: torch.nn.Module) -> tuple[str, list[torch.Tensor | None]] | None:
+        native = super().native_op(layer)
+        return None if native is None else (native[0], [layer.qweight, torch.ones_like(layer.scales), layer.bias])
 
 
 class ApplyReturnsFloat32(Int8):
@@ -589,7 +610,8 @@ class SavesAView(SmallHost):
 BROKEN: dict[str, dict[str, Any]] = {
     "attention_backend": {f: attention(f) for f in (
         "no_causal_mask", "skips_cache_write", "stray_write", "gqa_wrong_head", "fp8_ignores_scale",
-        "float32_output", "blocks_in_dim_0", "graph_reads_host_lists", "graph_pad_writes")},
+        "float32_output", "blocks_in_dim_0", "graph_reads_host_lists", "graph_pad_writes")}
+    | {"native_decode_skips_write": NativeDecodeSkipsWrite},
     "kv_allocator": {"leaks_on_free": LeaksOnFree, "leaks_and_hides_it": LeaksAndHidesIt,
                      "partial_on_failure": PartialOnFailure, "no_copy_on_write": NoCopyOnWrite,
                      "unreported_copies": UnreportedCopies, "matches_whole_prompt": MatchesWholePrompt,
@@ -615,7 +637,8 @@ BROKEN: dict[str, dict[str, Any]] = {
                   "zero_weights": ZeroWeights, "weight_bytes_forget_scales": WeightBytesForgetScales,
                   "ignores_shard_offsets": IgnoresShardOffsets, "ignores_unknown_names": IgnoresUnknownNames,
                   "apply_returns_float32": ApplyReturnsFloat32, "gptq_zero_off_by_one": GPTQZeroOffByOne,
-                  "awq_layout_unpacked": AWQLayoutUnpacked, "row_shards_ignore_in_start": RowShardsIgnoreInStart},
+                  "awq_layout_unpacked": AWQLayoutUnpacked, "row_shards_ignore_in_start": RowShardsIgnoreInStart,
+                  "native_op_drops_scales": NativeOpDropsScales},
     "proposer": {"too_many_tokens": TooManyTokens, "out_of_vocab": OutOfVocab,
                  "unnormalized_probs": UnnormalizedProbs, "forget_unknown_raises": ForgetUnknownRaises,
                  "probs_missing_a_token": ProbsMissingAToken, "drafts_its_improbable": DraftsItsImprobable,

@@ -181,3 +181,33 @@ def test_keeps_its_cuda_graph_promise(implementation: Implementation, case: Atte
             assert torch.equal(cache[:, block].view(torch.uint8), before[:, block].view(torch.uint8)), (
                 f"block {block} changed: a slot of -1 in meta.slot_mapping (a graph's padding row) must write "
                 f"nowhere")
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
+def test_native_decode_op_does_forwards_work(implementation: Implementation, case: AttentionCase) -> None:
+    """``native_decode()``: the op it names, on a step of decodes without ``prepare``, writes the
+    step's keys and values where ``forward`` does and returns causal attention over them."""
+    backend = backend_for(implementation, case)
+    name = backend.native_decode()
+    if name is None:
+        pytest.skip(f"{implementation} names no native decode op for this case")
+    namespace, _, op_name = name.partition("::")
+    op = getattr(getattr(torch.ops, namespace), op_name)
+    history = History(case, seed=case.head_dim + case.block_size + 3)
+    steps = run_steps(backend, history)
+    for _ in range(history.num_steps - 1):  # the cache holds every sequence's first steps
+        _, _, _, cache = next(steps)
+    step = history.decode_step(history.num_steps - 1)
+    by_forward = cache.clone()
+    backend.forward(step.q, step.k, step.v, by_forward, step.meta, backend.prepare(step.meta))
+    m = step.meta
+    out = op(step.q, step.k, step.v, cache, m.slot_mapping, m.block_tables, m.seq_lens, backend.spec.scale)
+    assert isinstance(out, torch.Tensor) and out.shape == step.q.shape and out.dtype == case.dtype, (
+        f"{name} must return [T, H, D] = {tuple(step.q.shape)} {case.dtype}, got {getattr(out, 'shape', out)}")
+    error = (out.double() - history.reference(step)).abs()
+    i, worst = worst_sequence(step, error)
+    assert worst <= ATOL[case.dtype], (
+        f"{name}: {step.describe(i)} differs from causal attention by {worst:.3g} (tolerance {ATOL[case.dtype]:g})")
+    assert torch.equal(cache.view(torch.uint8), by_forward.view(torch.uint8)), (
+        f"{name} left the cache other than forward() does: it must write the step's k and v at meta.slot_mapping "
+        f"exactly as forward() stores them")

@@ -63,6 +63,27 @@ def test_apply_matches_the_dequantized_weight(implementation: Implementation, dt
                                   f"by {error:.3g} (tolerance {ATOL[dtype]:g}, {dtype})")
 
 
+@pytest.mark.parametrize("rows", [1, 5, 16])
+def test_native_op_is_apply(implementation: Implementation, rows: int) -> None:
+    """``native_op(layer)``, where it names one: ``op(x, *args)`` is ``apply(layer, x)`` for float32
+    ``x [T, in]`` of up to 16 rows (a native decode step calls it in ``apply``'s place)."""
+    layer = layer_for(implementation, dtype=torch.float32, bias=True)
+    lin = layer.linear
+    native = lin.quantizer.native_op(lin)
+    if native is None:
+        pytest.skip(f"{implementation} names no native op for this layer")
+    name, args = native
+    namespace, _, op_name = name.partition("::")
+    op = getattr(getattr(torch.ops, namespace), op_name)
+    x = torch.randn(rows, lin.spec.in_features, generator=torch.Generator().manual_seed(2))  # [T, in]
+    y = op(x, *args)
+    want = lin.quantizer.apply(lin, x)
+    assert isinstance(y, torch.Tensor) and y.shape == want.shape and y.dtype == want.dtype, (
+        f"{name} must return apply's [T, out] = {tuple(want.shape)} {want.dtype}, got {getattr(y, 'shape', y)}")
+    error = float((y - want).abs().max())
+    assert error <= ATOL[torch.float32], f"{name}(x, *args) differs from apply(layer, x) by {error:.3g} ({rows} rows)"
+
+
 @pytest.mark.parametrize("dtype,bias", LAYOUTS, ids=lambda v: str(v).removeprefix("torch."))
 def test_dequantize_stands_for_the_checkpoint(implementation: Implementation, dtype: torch.dtype, bias: bool) -> None:
     """``dequantize`` is the ``[out, in]`` float32 weight: the reference dequantization of a
