@@ -18,12 +18,15 @@ def main() -> int:
     ap.add_argument("--model", required=True)
     ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4, 8, 16])
     ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--native-decode", choices=["on", "off"], default="on",
+                    help="the cpu platform's native decode step (off: the compiled forward)")
     args = ap.parse_args()
     from torch.profiler import ProfilerActivity, profile
 
     from modserve import LLM, SamplingParams
 
-    engine = LLM(args.model, progress=False).engine
+    platform = {"name": "cpu", "options": {"native_decode": args.native_decode == "on"}}
+    engine = LLM(args.model, progress=False, platform=platform).engine
     print("| sequences | ms per step | tokens/s | top ops (ms per step) |\n|---|---|---|---|")
     for n in args.batch_sizes:
         params = SamplingParams(temperature=0.0, max_tokens=args.steps + 20, ignore_eos=True)

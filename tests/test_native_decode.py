@@ -1,5 +1,5 @@
-"""The CPU platform's native decode step (one C++ call for a step of up to 16 decodes)
-against the compiled forward it stands in for, and against transformers."""
+"""The CPU platform's native decode step (a step of decodes as one C++ call) against the
+compiled forward it stands in for, and against transformers."""
 
 from __future__ import annotations
 
@@ -34,15 +34,18 @@ def _step(llm: LLM) -> NativeDecodeStep:
 
 @torch.inference_mode()
 def test_a_native_step_gives_the_compiled_forwards_hidden_states(native_llm):
-    """Decode steps of 1 and 3 sequences at different lengths: the native step's hidden states
-    and the KV it writes match the compiled forward's, on the same cache."""
+    """Decode steps of 1, 3 and 20 sequences (the few-row kernels; float32 GEMMs and rows split
+    over threads) at different lengths: the native step's hidden states and the KV it writes
+    match the compiled forward's, on the same cache."""
     runner = native_llm.engine.runner
     step, bs = _step(native_llm), runner.block_size
-    tables = [[3, 9], [20, 4], [41, 42]]  # blocks of the idle engine's cache, written here and nowhere else
-    ids, meta = build_batch(PROMPTS, [0, 0, 0], tables, bs, runner.device)
+    prompts = PROMPTS + [[(7 * i + j) % 4000 + 1 for j in range(5 + i)] for i in range(17)]
+    # blocks of the idle engine's cache, written here and nowhere else
+    tables = [[3, 9], [20, 4], [41, 42]] + [[50 + 2 * i, 51 + 2 * i] for i in range(17)]
+    ids, meta = build_batch(prompts, [0] * len(prompts), tables, bs, runner.device)
     step(ids, meta)  # the prompts' KV, through the compiled forward (a prefill)
-    lens = [len(p) for p in PROMPTS]
-    for seqs in ([0], [0, 1, 2]):
+    lens = [len(p) for p in prompts]
+    for seqs in ([0], [0, 1, 2], list(range(20))):
         ids, meta = build_batch([[100 + i] for i in seqs], [lens[i] for i in seqs], [tables[i] for i in seqs], bs,
                                 runner.device)
         kv_before = [c.clone() for c in runner.kv_caches]

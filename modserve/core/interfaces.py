@@ -669,8 +669,8 @@ class Quantizer(ABC):
     def native_op(self, layer: torch.nn.Module) -> tuple[str, list[torch.Tensor | None]] | None:
         """``apply(layer, x)`` as one registered op, for callers with no Python between ops (a
         platform's native decode step): the op's qualified name and the arguments after ``x``,
-        such that ``op(x, *args)`` returns what ``apply`` does for float32 ``x [T, in]`` of up
-        to 16 rows. Asked after ``process_weights``. Default: None (no such op)."""
+        such that ``op(x, *args)`` returns what ``apply`` does for float32 ``x [T, in]``, any
+        ``T``. Asked after ``process_weights``. Default: None (no such op)."""
         return None
 
 

@@ -63,10 +63,10 @@ def test_apply_matches_the_dequantized_weight(implementation: Implementation, dt
                                   f"by {error:.3g} (tolerance {ATOL[dtype]:g}, {dtype})")
 
 
-@pytest.mark.parametrize("rows", [1, 5, 16])
+@pytest.mark.parametrize("rows", [1, 5, 16, 40])
 def test_native_op_is_apply(implementation: Implementation, rows: int) -> None:
     """``native_op(layer)``, where it names one: ``op(x, *args)`` is ``apply(layer, x)`` for float32
-    ``x [T, in]`` of up to 16 rows (a native decode step calls it in ``apply``'s place)."""
+    ``x [T, in]`` (a native decode step calls it in ``apply``'s place)."""
     layer = layer_for(implementation, dtype=torch.float32, bias=True)
     lin = layer.linear
     native = lin.quantizer.native_op(lin)

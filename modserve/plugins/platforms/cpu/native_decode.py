@@ -1,4 +1,4 @@
-"""The CPU platform's native decode step: a step of a few decodes as one C++ call.
+"""The CPU platform's native decode step: a step of decodes as one C++ call.
 
 A decode step of one sequence reads ~160 MiB of weights in ~6 ms on two cores; around
 those reads the compiled path spent 4-5 ms more: a compiled region per layer and for the
@@ -7,8 +7,10 @@ and the Python that joins them. ``csrc/decode_step.cpp`` runs the whole decoder 
 call instead: the same linear ops (each quantizer names its own, ``Quantizer.native_op``)
 and the same decode attention op (the backend names it, ``AttentionBackend.native_decode``),
 called through the dispatcher, with the norms, RoPE, SiLU and residual adds in plain
-loops between them. Prefills, mixed steps and steps of more than :data:`MAX_ROWS`
-sequences keep the compiled forward.
+loops between them (over rows on both threads once there are 8 or more). Prefills and
+mixed steps keep the compiled forward. A decode step of 1, 8 and 24 sequences of the
+88M reference model took 6.1, 14.8 and 36.8 ms against 8.7, 19.0 and 46.3 compiled; at
+64, 89 against 90 ms (``scripts/decode_step_time.py``).
 
 It runs where a model describes itself as a plain Llama decoder
 (``CausalLM.decoder_layout``), in float32, and every piece names an op; the log says
@@ -20,7 +22,6 @@ from __future__ import annotations
 
 import functools
 import logging
-from typing import Callable
 
 import torch
 
@@ -31,39 +32,31 @@ logger = logging.getLogger("modserve")
 
 DECODE_STEP = CSRC / "decode_step.cpp"
 
-# Most decodes a native step takes: the few-row linear kernels' limit, past which the
-# linears are float32 GEMMs and the compiled step's overhead is a small share.
-MAX_ROWS = 16
-
-
 class NativeLogits:
-    """``compute_logits`` for up to :data:`MAX_ROWS` rows as the LM head's native op (no
-    compiled region to enter: ~0.15 ms a step); more rows through ``compute_logits``."""
+    """``compute_logits`` as the LM head's native op, which is all a
+    :class:`~modserve.api.DecoderLayout` model's logits are: no compiled region to enter
+    (~0.15 ms a step)."""
 
-    def __init__(self, compute_logits: Callable[[torch.Tensor], torch.Tensor], op: str,
-                 args: list[torch.Tensor | None]) -> None:
-        self.compute_logits = compute_logits
+    def __init__(self, op: str, args: list[torch.Tensor | None]) -> None:
         namespace, _, name = op.partition("::")
         self.op = getattr(getattr(torch.ops, namespace), name)
         self.args = args
 
     def __call__(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, vocab] float32
-        if hidden.shape[0] <= MAX_ROWS:
-            return self.op(hidden, *self.args)
-        return self.compute_logits(hidden)
+        return self.op(hidden, *self.args)
 
 
 class NativeDecodeStep:
-    """A :data:`~modserve.api.StepForward`: steps of 1 to :data:`MAX_ROWS` decodes through
-    ``decoder`` (a ``torch.classes.modserve_decode.DecodeStep``), every other step through
-    ``forward``; the same hidden states ``[T, hidden]`` either way, to float error."""
+    """A :data:`~modserve.api.StepForward`: steps of decodes only through ``decoder`` (a
+    ``torch.classes.modserve_decode.DecodeStep``), every other step through ``forward``; the
+    same hidden states ``[T, hidden]`` either way, to float error."""
 
     def __init__(self, forward: StepForward, decoder: torch.ScriptObject) -> None:
         self.forward = forward
         self.decoder = decoder
 
     def __call__(self, input_ids: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        if meta.max_query_len == 1 and meta.num_tokens == meta.num_seqs <= MAX_ROWS:
+        if meta.max_query_len == 1 and meta.num_tokens == meta.num_seqs:
             return self.decoder.forward(input_ids, meta.positions, meta.slot_mapping, meta.block_tables,
                                         meta.seq_lens)
         return self.forward(input_ids, meta)
@@ -85,9 +78,9 @@ def native_decode_step(forward: StepForward, backend: AttentionBackend,
     decoder.set_kv_caches(list(settings.kv_caches))
     model = settings.model
     if (head := layout.lm_head.quantizer.native_op(layout.lm_head)) is not None:
-        model.compute_logits = NativeLogits(model.compute_logits, *head)
-    logger.info("native decode: steps of up to %d decodes run as one C++ call (%d layers; attention %s)",
-                MAX_ROWS, len(layout.layers), backend.native_decode())
+        model.compute_logits = NativeLogits(*head)
+    logger.info("native decode: steps of decodes run as one C++ call (%d layers; attention %s)",
+                len(layout.layers), backend.native_decode())
     return NativeDecodeStep(forward, decoder)
 
 

@@ -21,8 +21,8 @@ logger = logging.getLogger("modserve")
 
 
 class CpuOptions(BaseModel):
-    native_decode: bool = Field(True, description="Run steps of up to 16 decodes as one C++ call where the model, "
-                                "its linears and the attention backend allow (false: the compiled forward)")
+    native_decode: bool = Field(True, description="Run steps of decodes as one C++ call where the model, its "
+                                "linears and the attention backend allow (false: the compiled forward)")
 
 
 class CpuPlatform(Platform):

@@ -23,7 +23,15 @@
 #include <string>
 #include <vector>
 
+#include "claims.h"  // parallel_claims: modserve/api/csrc/, on every kernel's include path
+#include "vec8.h"    // v8, load8, store8, hsum, exp8
+
 namespace {
+
+using modserve::exp8;
+using modserve::load8;
+using modserve::store8;
+using modserve::v8;
 
 c10::OperatorHandle find_op(const std::string& qualified) {
   // "ns::name" or "ns::name.overload"
@@ -53,17 +61,20 @@ struct Layer {
   std::vector<NativeLinear> linears;  // qkv, o, gate_up, down
 };
 
-// y = w * (x * rsqrt(mean(x^2) + eps)), transformers' op order; n floats.
+// y = w * (x * rsqrt(mean(x^2) + eps)), transformers' op order; n floats, a multiple of 8.
 void rms_norm(const float* x, const float* w, float* y, int64_t n, float eps) {
-  float part[8] = {};
-  int64_t i = 0;
-  for (; i + 8 <= n; i += 8)
-    for (int j = 0; j < 8; ++j) part[j] += x[i + j] * x[i + j];
-  float sum = 0.f;
-  for (; i < n; ++i) sum += x[i] * x[i];
-  for (float p : part) sum += p;
-  const float r = 1.f / std::sqrt(sum / static_cast<float>(n) + eps);
-  for (i = 0; i < n; ++i) y[i] = w[i] * (x[i] * r);
+  v8 sums = {};
+  for (int64_t i = 0; i < n; i += 8) sums += load8(x + i) * load8(x + i);
+  const float r = 1.f / std::sqrt(modserve::hsum(sums) / static_cast<float>(n) + eps);
+  for (int64_t i = 0; i < n; i += 8) store8(y + i, load8(w + i) * (load8(x + i) * r));
+}
+
+// out = silu(gate) * up = gate / (1 + e^-gate) * up; n floats, a multiple of 8.
+void silu_mul(const float* gate, const float* up, float* out, int64_t n) {
+  for (int64_t i = 0; i < n; i += 8) {
+    const v8 g = load8(gate + i);
+    store8(out + i, g / (1.f + exp8(-g)) * load8(up + i));
+  }
 }
 
 // out = x * cos + rotate_half(x) * sin for one head of D floats (rotate_half: [-x2, x1]).
@@ -88,6 +99,7 @@ class DecodeStep : public torch::CustomClassHolder {
                     cos_.scalar_type() == at::kFloat && sin_.scalar_type() == at::kFloat,
                 "DecodeStep: float32 embedding, norm and rotary tables");
     TORCH_CHECK(cos_.size(1) == D_ && D_ % 2 == 0 && H_ % Hkv_ == 0, "DecodeStep: head shapes disagree");
+    TORCH_CHECK(embedding_.size(1) % 8 == 0, "DecodeStep: hidden size a multiple of 8");
   }
 
   void add_layer(at::Tensor input_norm, at::Tensor post_norm) {
@@ -139,44 +151,60 @@ class DecodeStep : public torch::CustomClassHolder {
       const at::Tensor qkv = layer.linears[0](h);  // [T, q + 2 kv]
       TORCH_CHECK(qkv.size(1) == q_size + 2 * kv_size && qkv.is_contiguous(), "DecodeStep: qkv has the wrong shape");
       const float* qkvp = qkv.data_ptr<float>();
-      for (int64_t t = 0; t < T; ++t) {
+      float *qp = q.data_ptr<float>(), *kp = k.data_ptr<float>(), *vp = v.data_ptr<float>();
+      rows(T, [&](int64_t t) {
         const float* row = qkvp + t * (q_size + 2 * kv_size);
         const float* c = cos_.data_ptr<float>() + pp[t] * D;
         const float* s = sin_.data_ptr<float>() + pp[t] * D;
-        for (int64_t i = 0; i < H_; ++i) rope(row + i * D, c, s, q.data_ptr<float>() + (t * H_ + i) * D, D);
-        for (int64_t i = 0; i < Hkv_; ++i) rope(row + q_size + i * D, c, s, k.data_ptr<float>() + (t * Hkv_ + i) * D, D);
-        std::memcpy(v.data_ptr<float>() + t * kv_size, row + q_size + kv_size, kv_size * sizeof(float));
-      }
+        for (int64_t i = 0; i < H_; ++i) rope(row + i * D, c, s, qp + (t * H_ + i) * D, D);
+        for (int64_t i = 0; i < Hkv_; ++i) rope(row + q_size + i * D, c, s, kp + (t * Hkv_ + i) * D, D);
+        std::memcpy(vp + t * kv_size, row + q_size + kv_size, kv_size * sizeof(float));
+      });
       const at::Tensor attn = attention_.call(q, k, v, kv_caches_[l], slot_mapping, block_tables, seq_lens, scale_);
-      add_rows(xp, layer.linears[1](attn.view({T, q_size})), T * hidden);
+      add_rows(xp, layer.linears[1](attn.view({T, q_size})), T, hidden);
       norm_rows(xp, layer.post_norm, hp, T, hidden);
       const at::Tensor gate_up = layer.linears[2](h);  // [T, 2 I]
       const int64_t I = gate_up.size(1) / 2;
+      TORCH_CHECK(I % 8 == 0 && gate_up.is_contiguous(), "DecodeStep: gate_up has the wrong shape");
       at::Tensor act = at::empty({T, I}, embedding_.options());
       const float* gp = gate_up.data_ptr<float>();
       float* ap = act.data_ptr<float>();
-      for (int64_t t = 0; t < T; ++t)
-        for (int64_t i = 0; i < I; ++i) {
-          const float g = gp[t * 2 * I + i];
-          ap[t * I + i] = g / (1.f + std::exp(-g)) * gp[t * 2 * I + I + i];
-        }
-      add_rows(xp, layer.linears[3](act), T * hidden);
+      rows(T, [&](int64_t t) { silu_mul(gp + t * 2 * I, gp + t * 2 * I + I, ap + t * I, I); });
+      add_rows(xp, layer.linears[3](act), T, hidden);
     }
     norm_rows(xp, final_norm_, hp, T, hidden);
     return h;
   }
 
  private:
-  void norm_rows(const float* x, const at::Tensor& w, float* y, int64_t T, int64_t n) const {
-    for (int64_t t = 0; t < T; ++t) rms_norm(x + t * n, w.data_ptr<float>(), y + t * n, n, eps_);
+  // f(t) for every row t: on this thread for a few rows (a thread wake-up costs more than
+  // their work), claimed by the threads for many.
+  template <class F>
+  static void rows(int64_t T, const F& f) {
+    if (T < kParallelRows) {
+      for (int64_t t = 0; t < T; ++t) f(t);
+      return;
+    }
+    modserve::parallel_claims(T, 4, [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t) f(t);
+    });
   }
 
-  static void add_rows(float* x, const at::Tensor& y, int64_t n) {
-    TORCH_CHECK(y.numel() == n && y.is_contiguous() && y.scalar_type() == at::kFloat,
+  void norm_rows(const float* x, const at::Tensor& w, float* y, int64_t T, int64_t n) const {
+    const float* wp = w.data_ptr<float>();
+    rows(T, [&](int64_t t) { rms_norm(x + t * n, wp, y + t * n, n, eps_); });
+  }
+
+  static void add_rows(float* x, const at::Tensor& y, int64_t T, int64_t n) {  // x [T, n] += y
+    TORCH_CHECK(y.numel() == T * n && y.is_contiguous() && y.scalar_type() == at::kFloat,
                 "DecodeStep: a linear's output has the wrong shape");
     const float* yp = y.data_ptr<float>();
-    for (int64_t i = 0; i < n; ++i) x[i] += yp[i];
+    rows(T, [&](int64_t t) {
+      for (int64_t i = t * n; i < (t + 1) * n; i += 8) store8(x + i, load8(x + i) + load8(yp + i));
+    });
   }
+
+  static constexpr int64_t kParallelRows = 8;
 
   at::Tensor embedding_, final_norm_, cos_, sin_;
   int64_t H_, Hkv_, D_;

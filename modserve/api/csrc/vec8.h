@@ -1,0 +1,54 @@
+// Eight-float vectors for the C++ CPU kernels (GCC/Clang vector extensions): loads, stores,
+// a horizontal sum and e^x, shared by the decode attention kernel and the native decode step.
+
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+
+namespace modserve {
+
+// Eight floats, one AVX register where the build has them (GCC/Clang vector extension).
+typedef float v8 __attribute__((vector_size(32)));
+
+inline v8 load8(const float* p) {
+  v8 r;
+  std::memcpy(&r, p, sizeof r);
+  return r;
+}
+
+inline float hsum(v8 v) {  // a tree, not a chain of seven dependent adds
+  const v8 a = v + __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3);
+  const v8 b = a + __builtin_shufflevector(a, a, 2, 3, 0, 1, 6, 7, 4, 5);
+  return b[0] + b[1];
+}
+
+typedef int32_t i8 __attribute__((vector_size(32)));
+
+inline void store8(float* p, v8 v) { std::memcpy(p, &v, sizeof v); }
+
+// e^x for eight floats: x = n ln2 + r with |r| <= ln2 / 2, e^r by its Taylor series to
+// r^7 / 7! (relative error below 2e-7 there), times 2^n built in the exponent bits.
+// Inputs below -87 (where 2^n would be subnormal) give e^-87, about 1.6e-38.
+inline v8 exp8(v8 x) {
+  const v8 lo = v8{} - 87.0f, hi = v8{} + 88.0f;
+  x = x < lo ? lo : x;
+  x = x > hi ? hi : x;
+  const v8 magic = v8{} + 12582912.0f;  // 1.5 * 2^23: adding it rounds to an integer
+  const v8 n = (x * 1.44269504088896341f + magic) - magic;
+  const v8 r = (x - n * 0.693145751953125f) - n * 1.42860682030941723e-6f;  // ln2 in two parts
+  v8 p = v8{} + 1.0f / 5040;
+  p = p * r + 1.0f / 720;
+  p = p * r + 1.0f / 120;
+  p = p * r + 1.0f / 24;
+  p = p * r + 1.0f / 6;
+  p = p * r + 0.5f;
+  p = p * r + 1.0f;
+  p = p * r + 1.0f;
+  const i8 bits = (__builtin_convertvector(n, i8) + 127) << 23;
+  v8 scale;
+  std::memcpy(&scale, &bits, sizeof scale);
+  return p * scale;
+}
+
+}  // namespace modserve
