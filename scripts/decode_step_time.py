@@ -20,13 +20,15 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--native-decode", choices=["on", "off"], default="on",
                     help="the cpu platform's native decode step (off: the compiled forward)")
+    ap.add_argument("--quantization", help="a quantizer's name (int8, ...)")
     args = ap.parse_args()
     from torch.profiler import ProfilerActivity, profile
 
     from modserve import LLM, SamplingParams
 
     platform = {"name": "cpu", "options": {"native_decode": args.native_decode == "on"}}
-    engine = LLM(args.model, progress=False, platform=platform).engine
+    extra = {"quantization": args.quantization} if args.quantization else {}
+    engine = LLM(args.model, progress=False, platform=platform, **extra).engine
     print("| sequences | ms per step | tokens/s | top ops (ms per step) |\n|---|---|---|---|")
     for n in args.batch_sizes:
         params = SamplingParams(temperature=0.0, max_tokens=args.steps + 20, ignore_eos=True)

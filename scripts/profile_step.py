@@ -3,8 +3,9 @@
 Runs one untimed pass (warm-up, compiles), then the workload under cProfile, and
 splits the engine's time into the parts of a step: scheduling, batch preparation
 (input tensors, sampling tensors, the attention backend's per-step plan), the model's
-layers (GEMMs, norms, RoPE, MLP; compiled or not) without attention, attention,
-logits, sampling, detokenization, and the rest of the engine's Python (output
+layers (GEMMs, norms, RoPE, MLP; compiled or not) without attention, attention, the
+CPU platform's native decode steps (layers and attention in one C++ call), logits,
+sampling, detokenization, and the rest of the engine's Python (output
 bookkeeping, stop checks). cProfile slows Python more than native code, so the
 Python parts read somewhat high; the split, not the total, is the figure.
 
@@ -28,14 +29,17 @@ def parts_of_a_step(llm) -> dict[str, list]:
 
     runner = llm.engine.runner
     attn, model = type(runner.attn), type(runner.model)
+    native = runner.step_forward  # the platform's native step, where it runs one
+    logits = runner.model.compute_logits  # the platform's native LM head, where it runs one
     return {
+        "native decode step": [type(native).__call__] if hasattr(native, "decoder") else [],
         "step": [engine.LLMEngine.step],
         "scheduling": [scheduler.SchedulerCore.step],
         "batch preparation": [model_runner.ModelRunner._prepare, model_runner.ModelRunner.sampling_batch,
                               attn.prepare],
         "model": [model.forward],
         "attention": [attn.forward],
-        "logits": [model.compute_logits],
+        "logits": [model.compute_logits] + ([type(logits).__call__] if hasattr(logits, "op") else []),
         "sampling": [type(runner.sampler).__call__],
         "detokenization": [tokenizer.IncrementalDecoder.step],
     }
@@ -56,11 +60,14 @@ def main() -> int:
     ap.add_argument("--compile", default="auto")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--json", help="write the split here")
+    ap.add_argument("--native-decode", choices=["on", "off"], default="on",
+                    help="the cpu platform's native decode step (off: the compiled forward)")
     args = ap.parse_args()
     from modserve import LLM, SamplingParams
 
     extra = {} if args.compile == "auto" else {"compile": args.compile}  # older versions had no such key
-    llm = LLM(args.model, progress=False, num_threads=args.threads, **extra)
+    platform = {"name": "cpu", "options": {"native_decode": args.native_decode == "on"}}
+    llm = LLM(args.model, progress=False, num_threads=args.threads, platform=platform, **extra)
     if args.single_stream or not args.workload:
         prompts, lens = [list(range(100, 228))], [128]
     else:
@@ -78,6 +85,8 @@ def main() -> int:
     wall = time.perf_counter() - start
     stats = pstats.Stats(profiler)
     parts = {name: cumulative(stats, functions) for name, functions in parts_of_a_step(llm).items()}
+    if parts["native decode step"]:
+        parts["native decode step"] -= parts["model"]  # the steps it hands back to the forward
     parts["model"] -= parts["attention"]  # attention runs inside the layers
     step = parts.pop("step")
     parts["engine Python (rest of the step)"] = step - sum(parts.values())

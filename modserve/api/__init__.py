@@ -99,7 +99,8 @@ __all__ = [
     "Platform",
     "Proposer", "Quantizer", "Sampler", "Scheduler",
     # the data they receive and return
-    "AttentionMetadata", "AttentionSpec", "CudaGraphSupport", "DecoderLayerLayout", "DecoderLayout", "FinishedModel", "GrammarSpec", "GrammarVocab",
+    "AttentionMetadata", "AttentionSpec", "CudaGraphSupport", "DecoderLayerLayout", "DecoderLayout", "FinishedModel",
+    "GrammarSpec", "GrammarVocab",
     "GraphSettings", "LinearSpec", "StepForward",
     "ModelLoad", "Proposal", "ProposerContext", "SamplerOutput", "SamplingBatch", "SamplingParams", "Schedule",
     "SchedulerLimits", "SchedulerView", "Sequence", "SequenceStatus", "SequenceView", "StructuredOutputs",

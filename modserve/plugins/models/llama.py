@@ -243,8 +243,8 @@ class LlamaForCausalLM(CausalLM):
             self.embed_tokens.weight, tuple(DecoderLayerLayout(
                 m.input_layernorm.weight, m.self_attn.qkv_proj, m.self_attn.o_proj, m.post_attention_layernorm.weight,
                 m.mlp.gate_up_proj, m.mlp.down_proj) for m in layers),
-            self.norm.weight, self.lm_head, self.rope.cos, self.rope.sin, attn.num_heads, attn.num_kv_heads, attn.head_dim,
-            self.norm.eps)
+            self.norm.weight, self.lm_head, self.rope.cos, self.rope.sin, attn.num_heads, attn.num_kv_heads,
+            attn.head_dim, self.norm.eps)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Tensors of a linear go to it (``layers.0.self_attn.q_proj.qweight`` -> shard 0 of

@@ -142,7 +142,8 @@ class DecodeStep : public torch::CustomClassHolder {
     float* xp = x.data_ptr<float>();
     float* hp = h.data_ptr<float>();
     for (int64_t t = 0; t < T; ++t) {
-      TORCH_CHECK(idp[t] >= 0 && idp[t] < V && pp[t] >= 0 && pp[t] < P, "DecodeStep: token id or position out of range");
+      TORCH_CHECK(idp[t] >= 0 && idp[t] < V && pp[t] >= 0 && pp[t] < P,
+                  "DecodeStep: token id or position out of range");
       std::memcpy(xp + t * hidden, embedding_.data_ptr<float>() + idp[t] * hidden, hidden * sizeof(float));
     }
     for (size_t l = 0; l < layers_.size(); ++l) {
