@@ -9,6 +9,7 @@ each batch size, and the ops that took the most of it (torch profiler, 10 more s
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 
@@ -21,6 +22,7 @@ def main() -> int:
     ap.add_argument("--native-decode", choices=["on", "off"], default="on",
                     help="the cpu platform's native decode step (off: the compiled forward)")
     ap.add_argument("--quantization", help="a quantizer's name (int8, ...)")
+    ap.add_argument("--json", help="write {sequences: ms per step} here")
     args = ap.parse_args()
     from torch.profiler import ProfilerActivity, profile
 
@@ -30,6 +32,7 @@ def main() -> int:
     extra = {"quantization": args.quantization} if args.quantization else {}
     engine = LLM(args.model, progress=False, platform=platform, **extra).engine
     print("| sequences | ms per step | tokens/s | top ops (ms per step) |\n|---|---|---|---|")
+    times: dict[int, float] = {}
     for n in args.batch_sizes:
         params = SamplingParams(temperature=0.0, max_tokens=args.steps + 20, ignore_eos=True)
         for i in range(n):  # 150-token prompts, distinct so nothing is shared
@@ -42,6 +45,7 @@ def main() -> int:
         for _ in range(args.steps):
             engine.step()
         step = (time.perf_counter() - start) / args.steps
+        times[n] = step * 1e3
         with profile(activities=[ProfilerActivity.CPU]) as prof:
             for _ in range(5):
                 engine.step()
@@ -50,6 +54,9 @@ def main() -> int:
         print(f"| {n} | {step * 1e3:.1f} | {n / step:.0f} | {ops} |", flush=True)
         while engine.has_unfinished_requests():
             engine.step()
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(times, f)
     return 0
 
 
