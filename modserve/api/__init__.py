@@ -24,7 +24,7 @@ from modserve.core.hookspecs import PLUGIN_API_VERSION, Register, hookimpl
 
 if TYPE_CHECKING:  # for type checkers and IDEs; at run time each name is imported on first use
     from modserve.api.paged_kv import read_kv, slots, write_kv
-    from modserve.api.cpp import load_kernel
+    from modserve.api.cpp import load_kernel, op_by_name
     from modserve.api.decoder import DecoderLayerLayout, DecoderLayout
     from modserve.api.fp8 import FP8, FP8_MAX, fp8_to_float, to_fp8
     from modserve.api.scheduling import Budget, admit, advance_running, chunk_size, start_budget
@@ -53,7 +53,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs; at run time each name is import
 # ``from modserve.api import hookimpl`` without importing torch.
 _WHERE: dict[str, str] = {name: module for module, names in (
     ("modserve.api.paged_kv", "read_kv slots write_kv"),
-    ("modserve.api.cpp", "load_kernel"),
+    ("modserve.api.cpp", "load_kernel op_by_name"),
     ("modserve.api.decoder", "DecoderLayerLayout DecoderLayout"),
     ("modserve.api.fp8", "FP8 FP8_MAX fp8_to_float to_fp8"),
     ("modserve.api.scheduling", "Budget admit advance_running chunk_size start_budget"),
@@ -110,5 +110,5 @@ __all__ = [
     "linear_factory", "load_shard", "model_bytes", "param",
     # helpers
     "Budget", "FP8", "FP8_MAX", "add_logprobs", "admit", "advance_running", "build_batch", "chunk_size",
-    "fp8_to_float", "load_kernel", "read_kv", "run_worker", "sample_rows", "slots", "start_budget", "to_fp8", "write_kv",
+    "fp8_to_float", "load_kernel", "op_by_name", "read_kv", "run_worker", "sample_rows", "slots", "start_budget", "to_fp8", "write_kv",
 ]

@@ -28,6 +28,7 @@ import shutil
 import sys
 import time
 from pathlib import Path
+from typing import Any, Callable
 
 logger = logging.getLogger("modserve")
 
@@ -48,6 +49,15 @@ def build_directory(name: str, source: str) -> Path:
         digest.update(part)
     root = Path(os.environ.get("MODSERVE_CACHE", Path.home() / ".cache" / "modserve"))
     return root / "kernels" / f"{name}-{digest.hexdigest()[:16]}"
+
+
+def op_by_name(qualified: str) -> Callable[..., Any]:
+    """The registered op ``"namespace::name"`` (what ``Quantizer.native_op`` and
+    ``AttentionBackend.native_decode`` name), callable from Python: ``torch.ops.namespace.name``."""
+    import torch
+
+    namespace, _, name = qualified.partition("::")
+    return getattr(getattr(torch.ops, namespace), name)
 
 
 @functools.cache

@@ -231,7 +231,7 @@ class LlamaForCausalLM(CausalLM):
     def decoder_layout(self) -> DecoderLayout | None:
         """Plain Llama layers only: a subclass that changes a layer (q/k norms, experts), a
         pipeline stage or tensor parallelism computes something else."""
-        layers = [self.layers[i] for i in range(len(self.layers))]
+        layers = list(self.layers)
         attn = layers[0].self_attn if layers else None
         plain = (attn is not None and self.stage == range(len(layers)) and self.embed_tokens.tp.size == 1
                  and all(type(m) is DecoderLayer and type(m.self_attn) is Attention and type(m.mlp) is MLP

@@ -13,7 +13,7 @@ from typing import Iterator
 import pytest
 import torch
 
-from modserve.api import AttentionBackend, AttentionMetadata, CudaGraphSupport
+from modserve.api import AttentionBackend, AttentionMetadata, CudaGraphSupport, op_by_name
 from modserve.testing.conformance.attention_steps import AttentionCase, History, Step
 from modserve.testing.conformance.targets import Implementation
 
@@ -191,8 +191,7 @@ def test_native_decode_op_does_forwards_work(implementation: Implementation, cas
     name = backend.native_decode()
     if name is None:
         pytest.skip(f"{implementation} names no native decode op for this case")
-    namespace, _, op_name = name.partition("::")
-    op = getattr(getattr(torch.ops, namespace), op_name)
+    op = op_by_name(name)
     history = History(case, seed=case.head_dim + case.block_size + 3)
     steps = run_steps(backend, history)
     for _ in range(history.num_steps - 1):  # the cache holds every sequence's first steps

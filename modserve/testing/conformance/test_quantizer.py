@@ -13,7 +13,7 @@ import itertools
 import pytest
 import torch
 
-from modserve.api import Quantizer, TensorParallel
+from modserve.api import Quantizer, TensorParallel, op_by_name
 from modserve.testing.conformance.quantized_layers import (
     FORMATS, FUSED, TP, TP_LAYERS, Layer, build, checkpoint_format, float_linear, kept_bytes, parallel_linear,
     rank_rows, shard,
@@ -73,8 +73,7 @@ def test_native_op_is_apply(implementation: Implementation, rows: int) -> None:
     if native is None:
         pytest.skip(f"{implementation} names no native op for this layer")
     name, args = native
-    namespace, _, op_name = name.partition("::")
-    op = getattr(getattr(torch.ops, namespace), op_name)
+    op = op_by_name(name)
     x = torch.randn(rows, lin.spec.in_features, generator=torch.Generator().manual_seed(2))  # [T, in]
     y = op(x, *args)
     want = lin.quantizer.apply(lin, x)

@@ -25,7 +25,7 @@ import logging
 
 import torch
 
-from modserve.api import AttentionBackend, AttentionMetadata, DecoderLayout, GraphSettings, StepForward
+from modserve.api import AttentionBackend, AttentionMetadata, DecoderLayout, GraphSettings, StepForward, op_by_name
 from modserve.plugins.platforms.cpu.kernels import CSRC, load_kernel
 
 logger = logging.getLogger("modserve")
@@ -38,8 +38,7 @@ class NativeLogits:
     (~0.15 ms a step)."""
 
     def __init__(self, op: str, args: list[torch.Tensor | None]) -> None:
-        namespace, _, name = op.partition("::")
-        self.op = getattr(getattr(torch.ops, namespace), name)
+        self.op = op_by_name(op)
         self.args = args
 
     def __call__(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, vocab] float32

@@ -1,13 +1,14 @@
 // A decode step of a pre-norm Llama decoder as one C++ call, on the CPU.
 //
-// A step of one to sixteen decodes reads every weight once, which the few-row kernels do
-// at ~90% of this machine's memory bandwidth; what they wait for is the rest: ~50 compiled
-// and eager regions a step, each with its guards, its wrapper and its Python, 4-5 ms of
-// a ~10 ms step. Here the whole decoder runs in one call: the linears and the attention
-// are the same registered ops the eager path calls (each linear's quantizer and the
-// attention backend name theirs), called through the dispatcher with no Python between
-// them; the elementwise work between them (RMSNorm, RoPE, SiLU-and-mul, residual adds) is
-// a few thousand floats a row, done here in plain loops on the calling thread.
+// A step of a few decodes reads every weight once, which the few-row kernels do near this
+// machine's memory bandwidth; what they waited for was the rest: ~50 compiled and eager
+// regions a step, each with its guards, its wrapper and its Python, 4-5 ms of a ~10 ms
+// step. Here the whole decoder runs in one call, for any number of decodes: the linears
+// and the attention are the same registered ops the eager path calls (each linear's
+// quantizer and the attention backend name theirs), called through the dispatcher with no
+// Python between them; the elementwise work between them (RMSNorm, RoPE, SiLU-and-mul,
+// residual adds) is a few thousand floats a row, in vector loops on the calling thread
+// for a few rows and split over the threads from kParallelRows on.
 //
 // Registered as torch.classes.modserve_decode.DecodeStep (built by
 // modserve/plugins/platforms/cpu/native_decode.py).
@@ -84,6 +85,12 @@ void rope(const float* x, const float* cos, const float* sin, float* out, int64_
   for (int64_t i = half; i < D; ++i) out[i] = x[i] * cos[i] + x[i - half] * sin[i];
 }
 
+// The attention backend's native decode op: (q, k, v, kv_cache, slot_mapping, block_tables,
+// seq_lens, scale) -> [T, H, D] (AttentionBackend.native_decode).
+using AttentionSignature = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                      const at::Tensor&, const at::Tensor&, const at::Tensor&, double);
+using AttentionOp = c10::TypedOperatorHandle<AttentionSignature>;
+
 class DecodeStep : public torch::CustomClassHolder {
  public:
   // embedding [V, hidden]; final_norm [hidden]; cos, sin [max_positions, D] float32.
@@ -92,9 +99,7 @@ class DecodeStep : public torch::CustomClassHolder {
       : embedding_(embedding.contiguous()), final_norm_(final_norm.contiguous()), cos_(cos.contiguous()),
         sin_(sin.contiguous()), H_(heads), Hkv_(kv_heads), D_(head_dim), eps_(static_cast<float>(eps)),
         scale_(scale),
-        attention_(find_op(attention_op)
-                       .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                         const at::Tensor&, const at::Tensor&, const at::Tensor&, double)>()) {
+        attention_(find_op(attention_op).typed<AttentionSignature>()) {
     TORCH_CHECK(embedding_.scalar_type() == at::kFloat && final_norm_.scalar_type() == at::kFloat &&
                     cos_.scalar_type() == at::kFloat && sin_.scalar_type() == at::kFloat,
                 "DecodeStep: float32 embedding, norm and rotary tables");
@@ -211,9 +216,7 @@ class DecodeStep : public torch::CustomClassHolder {
   int64_t H_, Hkv_, D_;
   float eps_;
   double scale_;
-  c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                      const at::Tensor&, const at::Tensor&, const at::Tensor&, double)>
-      attention_;
+  AttentionOp attention_;
   std::vector<Layer> layers_;
   std::vector<at::Tensor> kv_caches_;
 };
