@@ -11,7 +11,7 @@
 // time, and the values go into up to 4 query rows x 16 dimensions of accumulators. A
 // sequence's blocks lie anywhere in the pool, so the next block is prefetched (into L2)
 // while one is read: no hardware prefetcher can guess it. 64 decodes of ~170 tokens read
-// their KV at 14-15 GB/s on a 2-core Zen 4 VM, where the weights stream at ~30.
+// their KV at 13.6-15 GB/s on a 2-core Zen 4 VM, where the weights stream at ~30.
 //
 // Registered as torch.ops.modserve_paged.decode (built by modserve/plugins/platforms/cpu/kernels.py).
 
