@@ -13,6 +13,7 @@ from modserve.api import (
     model_bytes)
 from modserve.plugins.platforms.compile import AUTO_COMPILE_MIN_BYTES, compile_regions, compile_wanted
 from modserve.plugins.platforms.cpu.host_memory import keep_freed_memory
+from modserve.plugins.platforms.cpu.huge_pages import move_weights_to_huge_pages
 from modserve.plugins.platforms.cpu.linear import CpuLinear, add_decode_weights, decode_weight_dtype
 from modserve.plugins.platforms.cpu.native_decode import native_decode_step
 from modserve.plugins.platforms.cpu.prepack import add_packed_weights
@@ -23,6 +24,8 @@ logger = logging.getLogger("modserve")
 class CpuOptions(BaseModel):
     native_decode: bool = Field(True, description="Run steps of decodes as one C++ call where the model, its "
                                 "linears and the attention backend allow (false: the compiled forward)")
+    huge_pages: bool = Field(True, description="Copy the weights into memory backed by 2 MiB transparent huge pages "
+                             "(Linux): a decode step streams them with ~500x fewer TLB misses")
 
 
 class CpuPlatform(Platform):
@@ -62,6 +65,8 @@ class CpuPlatform(Platform):
         packed_bytes = 0
         if self.prepack_wanted(load.prepack_weights, load.dtype, model_bytes(model), load.quantized):
             packed_bytes = add_packed_weights(model)
+        if self.options.huge_pages:
+            self._move_to_huge_pages(model)
         return FinishedModel(compiled, decode_bytes, packed_bytes)
 
     def capture_graphs(self, forward: StepForward, backend: AttentionBackend,
@@ -92,3 +97,14 @@ class CpuPlatform(Platform):
         if problem:
             logger.info("prepack_weights auto: off (%s)", problem)
         return problem is None
+
+    @staticmethod
+    def _move_to_huge_pages(model: CausalLM) -> None:
+        moved = move_weights_to_huge_pages(model)
+        if moved.problem:
+            logger.info("huge pages: off (%s)", moved.problem)
+            return
+        logger.info("huge pages: %.0f MiB of weights copied into huge-page memory in %.2f s, %.0f MiB of it in "
+                    "2 MiB pages%s", moved.moved_bytes / 2**20, moved.seconds, moved.huge_bytes / 2**20,
+                    "" if moved.huge_bytes else " (transparent huge pages are off on this machine: "
+                    "/sys/kernel/mm/transparent_hugepage/enabled)")
