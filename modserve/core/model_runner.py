@@ -158,6 +158,9 @@ class ModelRunner:
         self.max_model_len = max_model_len
         self.kv_caches: list[torch.Tensor] = []
         self.step_forward: StepForward = self._forward  # the platform's CUDA graphs, once the cache exists
+        self._first_rows: dict[int, torch.Tensor] = {}  # n -> [n] int64 0 .. n - 1 (_row_index)
+        # The sampling settings' tensors of the last step's sequences, while the same ones follow
+        self._settings: tuple[tuple[Sequence, ...], SamplingBatch] | None = None
 
     def _load_model(self, registry: Registry, max_model_len: int, progress: bool) -> torch.nn.Module:
         archs = getattr(self.hf_config, "architectures", None) or []
@@ -419,9 +422,19 @@ class ModelRunner:
             elif c + n == s.num_tokens:  # only a sequence whose last token is reached gets a sample
                 sampled.append(s)
                 sample_rows.append(end - 1)
-        as_index = lambda r: torch.tensor(r, dtype=torch.int64, device=self.device)  # noqa: E731
+        as_index = self._row_index
         return ModelInput(input_ids, meta, sampled, as_index(sample_rows), speculating, as_index(spec_rows),
                           prompt_seqs, as_index(prompt_rows), prompt_targets)
+
+    def _row_index(self, rows: list[int]) -> torch.Tensor:  # [len(rows)] int64
+        """``rows`` (increasing) as a tensor on the device; ``0 .. n - 1`` (a step's samples
+        when every sequence samples) and none are made once per size and shared: nothing
+        writes them."""
+        if rows and (rows[0] != 0 or rows[-1] != len(rows) - 1 or len(rows) > self.config.max_num_seqs):
+            return torch.tensor(rows, dtype=torch.int64, device=self.device)
+        if (index := self._first_rows.get(len(rows))) is None:
+            index = self._first_rows[len(rows)] = torch.arange(len(rows), dtype=torch.int64, device=self.device)
+        return index
 
     # -- a second model beside the target (a proposer's draft) --------------------------
     @torch.inference_mode()
@@ -437,7 +450,36 @@ class ModelRunner:
         return self.model.compute_logits(hidden[meta.query_start_loc[1:] - 1])  # [B, V]
 
     def sampling_batch(self, seqs: list[Sequence]) -> SamplingBatch:
-        """The sampler's settings for ``seqs``, one row each."""
+        """The sampler's settings for ``seqs``, one row each. The per-row settings of the same
+        sequences as the last call are that call's tensors again (samplers only read them):
+        made each step, their seven tensors cost ~0.1 ms of a one-sequence decode step."""
+        key = tuple(seqs)
+        if self._settings is None or self._settings[0] != key:
+            self._settings = (key, self._row_settings(seqs))
+        rows = self._settings[1]
+        prompt_ids = output_ids = None
+        if rows.any_penalty:
+            prompt_ids = self._padded([s.prompt_token_ids for s in seqs])
+            output_ids = self._padded([s.output_token_ids for s in seqs])
+        banned = []
+        for row, seq in enumerate(seqs):
+            if seq.num_output_tokens < seq.params.min_tokens:
+                stop_ids = list(seq.params.stop_token_ids) + self.eos_token_ids
+                banned.append((row, stop_ids))
+        return SamplingBatch(
+            rows.temperature, rows.top_k, rows.top_p, rows.min_p, rows.repetition_penalty, rows.presence_penalty,
+            rows.frequency_penalty, rows.all_greedy, rows.any_top_k, rows.any_top_p, rows.any_min_p,
+            rows.any_penalty, rows.generators,
+            prompt_token_ids=prompt_ids,
+            output_token_ids=output_ids,
+            banned_token_ids=banned,
+            max_num_logprobs=rows.max_num_logprobs,
+            allowed_token_bitmask=fill_token_bitmask(seqs, self.vocab_size, self.device),
+        )
+
+    def _row_settings(self, seqs: list[Sequence]) -> SamplingBatch:
+        """The settings that stay with a sequence (its SamplingParams, its generator), as a
+        SamplingBatch without the per-step fields."""
         params = [s.params for s in seqs]
         dev = self.device
 
@@ -446,18 +488,6 @@ class ModelRunner:
 
         temperature = [p.temperature for p in params]
         top_k = [p.top_k if p.top_k > 0 else 0 for p in params]
-        any_penalty = any(
-            p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty for p in params
-        )
-        prompt_ids = output_ids = None
-        if any_penalty:
-            prompt_ids = self._padded([s.prompt_token_ids for s in seqs])
-            output_ids = self._padded([s.output_token_ids for s in seqs])
-        banned = []
-        for row, seq in enumerate(seqs):
-            if seq.num_output_tokens < seq.params.min_tokens:
-                stop_ids = list(seq.params.stop_token_ids) + self.eos_token_ids
-                banned.append((row, stop_ids))
         want = [p.logprobs for p in params if p.logprobs is not None]
         return SamplingBatch(
             temperature=col(temperature, torch.float32),
@@ -471,13 +501,12 @@ class ModelRunner:
             any_top_k=any(k > 0 for k in top_k),
             any_top_p=any(p.top_p < 1.0 for p in params),
             any_min_p=any(p.min_p > 0.0 for p in params),
-            any_penalty=any_penalty,
+            any_penalty=any(p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty for p in params),
             generators={i: s.generator for i, s in enumerate(seqs) if s.generator is not None},
-            prompt_token_ids=prompt_ids,
-            output_token_ids=output_ids,
-            banned_token_ids=banned,
+            prompt_token_ids=None,
+            output_token_ids=None,
+            banned_token_ids=[],
             max_num_logprobs=max(want) if want else -1,
-            allowed_token_bitmask=fill_token_bitmask(seqs, self.vocab_size, dev),
         )
 
     def _padded(self, rows: list[list[int]]) -> torch.Tensor:

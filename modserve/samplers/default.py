@@ -84,6 +84,9 @@ class DefaultSampler(Sampler):
     """Greedy, temperature, top-k, top-p, min-p and penalties, as in vLLM."""
 
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
+        if (batch.all_greedy and batch.max_num_logprobs < 0 and batch.allowed_token_bitmask is None
+                and not batch.banned_token_ids and not batch.any_penalty):
+            return SamplerOutput(token_ids=logits.argmax(dim=-1))  # nothing to mask: no float32 copy
         # Logprobs are of the raw model distribution, before any processing.
         raw_logprobs = logits.float().log_softmax(dim=-1) if batch.max_num_logprobs >= 0 else None  # [B, V]
         logits = self._mask_and_penalise(logits, batch)
