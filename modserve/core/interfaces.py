@@ -434,7 +434,9 @@ class Scheduler(ABC):
 # ---------------------------------------------------------------------------
 @dataclass(slots=True)
 class SamplingBatch:
-    """Per-row sampling settings for one step, as tensors on the logits' device."""
+    """Per-row sampling settings for one step, as tensors on the logits' device. Samplers
+    only read them: while a step's sequences stay the same, the runner passes the same
+    tensors again."""
 
     temperature: torch.Tensor  # [B] float; 0 = greedy
     top_k: torch.Tensor  # [B] int64; <= 0 = off
