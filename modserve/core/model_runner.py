@@ -301,7 +301,9 @@ class ModelRunner:
         if pp.size == 1:
             # [T, hidden]; a step that saves runs eagerly: a CUDA graph would not replay the saves
             hidden = self._saving_forward(input_ids, meta, kv_saves) if kv_saves else self.step_forward(input_ids, meta)
-            return [self.model.compute_logits(hidden[rows]) if rows.numel() else None for rows in logit_rows]
+            every_row = self._first_rows.get(hidden.shape[0])  # a step of decodes samples every row: no gather
+            return [self.model.compute_logits(hidden if rows is every_row else hidden[rows]) if rows.numel() else None
+                    for rows in logit_rows]
         # A stage: its micro-batches one after another, each the previous stage's hidden states
         # in, this stage's layers, out to the next (sent without waiting: the next micro-batch
         # starts meanwhile); the last stage's logits go to rank 0, which samples.
