@@ -1,5 +1,6 @@
 """The ``cpu`` platform: float32 compute, the glibc heap kept, and float weights in the
-layouts a CPU step reads fastest (:mod:`.linear`, :mod:`.prepack`)."""
+layouts a CPU step reads fastest (:mod:`.linear`, :mod:`.prepack`), in huge pages
+(:mod:`.huge_pages`)."""
 
 from __future__ import annotations
 
