@@ -10,11 +10,11 @@ import torch
 from modserve.core.interfaces import AttentionMetadata
 
 
-# A decode step of up to this many sequences is built from Python lists, one numpy array
-# each. It comes right after the step's weight reads, which left nothing of the process in
-# the caches: there each numpy call's first touch is what costs. Measured after streaming
-# the reference model's weights: 48-93 us against 125-199 for one sequence, 104 against 197
-# at 16, 181 against 253 at 64; at 256 the lists were slower (541 against 501).
+# A decode step of up to this many sequences gets its positions and slots from Python lists,
+# not numpy operations. It comes right after the step's weight reads, which left nothing of
+# the process in the caches: there each numpy operation's first touch is what costs. After
+# streaming the reference model's weights, a batch of one sequence took ~50-90 us this way
+# against 125-200 us, of 64 sequences 181 against 253; at 256 the lists were slower.
 SMALL_DECODE_STEP = 64
 
 
@@ -27,76 +27,42 @@ def build_batch(
 ) -> tuple[torch.Tensor, AttentionMetadata]:
     """Input ids [T] and the attention metadata for sequences whose new tokens sit
     at positions ``context_lens[i] .. context_lens[i] + len(chunks[i]) - 1``."""
-    if len(chunks) <= SMALL_DECODE_STEP and all(len(c) == 1 for c in chunks):
-        return decode_batch(chunks, context_lens, block_tables, block_size, device)
-    return varlen_batch(chunks, context_lens, block_tables, block_size, device)
-
-
-def varlen_batch(chunks: list[list[int]], context_lens: list[int], block_tables: list[list[int]],
-                 block_size: int, device: torch.device) -> tuple[torch.Tensor, AttentionMetadata]:
-    """build_batch for any chunk lengths, in numpy."""
-    # In numpy, then one from_numpy each: the same ~15 ops as torch calls took 3x as long.
-    q_list = [len(c) for c in chunks]
+    # In numpy, then one from_numpy each: the same ops as torch calls took 3x as long.
     n = len(chunks)
-    q_lens = np.array(q_list, dtype=np.int64)
-    ctx = np.array(context_lens, dtype=np.int64)
-    seq_lens = ctx + q_lens
-    cu = np.zeros(n + 1, dtype=np.int64)
-    np.cumsum(q_lens, out=cu[1:])
-    num_tokens = int(cu[-1])
-    # position of token t = t - start of its sequence's rows + that sequence's context length
-    positions = np.arange(num_tokens, dtype=np.int64) + np.repeat(ctx - cu[:-1], q_lens)
+    q_list = [len(c) for c in chunks]
+    seq_lens = [c + q for c, q in zip(context_lens, q_list)]
     table = np.zeros((n, max(len(b) for b in block_tables)), dtype=np.int64)
     for i, blocks in enumerate(block_tables):
         table[i, : len(blocks)] = blocks
-    rows = np.repeat(np.arange(n), q_lens)
-    slot_mapping = table[rows, positions // block_size] * block_size + positions % block_size
+    if n <= SMALL_DECODE_STEP and set(q_list) == {1}:  # one token each, at its context length
+        cu, positions = list(range(n + 1)), context_lens
+        slots = [b[p // block_size] * block_size + p % block_size for b, p in zip(block_tables, context_lens)]
+    else:
+        q_lens = np.array(q_list, dtype=np.int64)
+        cu = np.zeros(n + 1, dtype=np.int64)
+        np.cumsum(q_lens, out=cu[1:])
+        # position of token t = t - start of its sequence's rows + that sequence's context length
+        positions = np.arange(cu[-1], dtype=np.int64) + np.repeat(np.array(context_lens) - cu[:-1], q_lens)
+        slots = table[np.repeat(np.arange(n), q_lens), positions // block_size] * block_size + positions % block_size
+    num_tokens = int(cu[-1])
     ids = np.fromiter(itertools.chain.from_iterable(chunks), dtype=np.int64, count=num_tokens)
-    tensor = lambda a: torch.from_numpy(a).to(device)  # noqa: E731
+    tensor = lambda a: torch.from_numpy(np.asarray(a, dtype=np.int64)).to(device)  # noqa: E731
     meta = AttentionMetadata(
         num_tokens=num_tokens,
         positions=tensor(positions),
-        slot_mapping=tensor(slot_mapping),
-        query_start_loc=tensor(cu),
-        query_lens=tensor(q_lens),
-        context_lens=tensor(ctx),
-        seq_lens=tensor(seq_lens),
-        block_tables=tensor(table),
-        query_lens_cpu=q_list,
-        seq_lens_cpu=seq_lens.tolist(),
-        context_lens_cpu=list(context_lens),
-        max_query_len=max(q_list),
-        max_seq_len=int(seq_lens.max()),
-    )
-    return tensor(ids), meta
-
-
-def decode_batch(chunks: list[list[int]], context_lens: list[int], block_tables: list[list[int]],
-                 block_size: int, device: torch.device) -> tuple[torch.Tensor, AttentionMetadata]:
-    """build_batch for one new token per sequence, at position ``context_lens[i]``."""
-    n = len(chunks)
-    seq_lens = [c + 1 for c in context_lens]
-    slots = [blocks[pos // block_size] * block_size + pos % block_size
-             for blocks, pos in zip(block_tables, context_lens)]
-    width = max(len(b) for b in block_tables)
-    table = [b + [0] * (width - len(b)) for b in block_tables]
-    tensor = lambda values: torch.from_numpy(np.array(values, dtype=np.int64)).to(device)  # noqa: E731
-    meta = AttentionMetadata(
-        num_tokens=n,
-        positions=tensor(context_lens),
         slot_mapping=tensor(slots),
-        query_start_loc=tensor(list(range(n + 1))),
-        query_lens=tensor([1] * n),
+        query_start_loc=tensor(cu),
+        query_lens=tensor(q_list),
         context_lens=tensor(context_lens),
         seq_lens=tensor(seq_lens),
         block_tables=tensor(table),
-        query_lens_cpu=[1] * n,
+        query_lens_cpu=q_list,
         seq_lens_cpu=seq_lens,
         context_lens_cpu=list(context_lens),
-        max_query_len=1,
+        max_query_len=max(q_list),
         max_seq_len=max(seq_lens),
     )
-    return tensor([c[0] for c in chunks]), meta
+    return tensor(ids), meta
 
 
 # pipeline_micro_batches auto: the fewest tokens a micro-batch is cut to. Below it (decodes) a

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 import logging
@@ -33,6 +34,8 @@ if TYPE_CHECKING:
     from modserve.core.scheduler import ScheduledStep
 
 logger = logging.getLogger("modserve")
+# SamplingParams' float settings, in SamplingBatch's order less top_k
+FLOAT_SETTINGS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
 
 
 @dataclass(slots=True)
@@ -429,14 +432,14 @@ class ModelRunner:
                           prompt_seqs, as_index(prompt_rows), prompt_targets)
 
     def _row_index(self, rows: list[int]) -> torch.Tensor:  # [len(rows)] int64
-        """``rows`` (increasing) as a tensor on the device; ``0 .. n - 1`` (a step's samples
-        when every sequence samples) and none are made once per size and shared: nothing
-        writes them."""
-        if rows and (rows[0] != 0 or rows[-1] != len(rows) - 1 or len(rows) > self.config.max_num_seqs):
+        """``rows`` (increasing) on the device; ``0 .. n - 1`` (every sequence of a step of
+        decodes samples) and none are made once per size and shared, as nothing writes them."""
+        n = len(rows)
+        if n > self.config.max_num_seqs or (rows and rows[-1] != n - 1):
             return torch.tensor(rows, dtype=torch.int64, device=self.device)
-        if (index := self._first_rows.get(len(rows))) is None:
-            index = self._first_rows[len(rows)] = torch.arange(len(rows), dtype=torch.int64, device=self.device)
-        return index
+        if n not in self._first_rows:
+            self._first_rows[n] = torch.arange(n, dtype=torch.int64, device=self.device)
+        return self._first_rows[n]
 
     # -- a second model beside the target (a proposer's draft) --------------------------
     @torch.inference_mode()
@@ -452,64 +455,38 @@ class ModelRunner:
         return self.model.compute_logits(hidden[meta.query_start_loc[1:] - 1])  # [B, V]
 
     def sampling_batch(self, seqs: list[Sequence]) -> SamplingBatch:
-        """The sampler's settings for ``seqs``, one row each. The per-row settings of the same
-        sequences as the last call are that call's tensors again (samplers only read them):
-        made each step, their seven tensors cost ~0.1 ms of a one-sequence decode step."""
-        key = tuple(seqs)
-        if self._settings is None or self._settings[0] != key:
-            self._settings = (key, self._row_settings(seqs))
+        """The sampler's settings for ``seqs``, one row each. What stays with a sequence (its
+        SamplingParams, its generator) is the last call's tensors again while the sequences are
+        the same (samplers only read them): made each step, they cost ~0.1 ms of a decode step."""
+        if self._settings is None or self._settings[0] != tuple(seqs):
+            self._settings = (tuple(seqs), self._row_settings(seqs))
         rows = self._settings[1]
-        prompt_ids = output_ids = None
+        banned = [(row, list(s.params.stop_token_ids) + self.eos_token_ids) for row, s in enumerate(seqs)
+                  if s.num_output_tokens < s.params.min_tokens]
+        prompt = output = None
         if rows.any_penalty:
-            prompt_ids = self._padded([s.prompt_token_ids for s in seqs])
-            output_ids = self._padded([s.output_token_ids for s in seqs])
-        banned = []
-        for row, seq in enumerate(seqs):
-            if seq.num_output_tokens < seq.params.min_tokens:
-                stop_ids = list(seq.params.stop_token_ids) + self.eos_token_ids
-                banned.append((row, stop_ids))
-        return SamplingBatch(
-            rows.temperature, rows.top_k, rows.top_p, rows.min_p, rows.repetition_penalty, rows.presence_penalty,
-            rows.frequency_penalty, rows.all_greedy, rows.any_top_k, rows.any_top_p, rows.any_min_p,
-            rows.any_penalty, rows.generators,
-            prompt_token_ids=prompt_ids,
-            output_token_ids=output_ids,
-            banned_token_ids=banned,
-            max_num_logprobs=rows.max_num_logprobs,
-            allowed_token_bitmask=fill_token_bitmask(seqs, self.vocab_size, self.device),
-        )
+            prompt = self._padded([s.prompt_token_ids for s in seqs])
+            output = self._padded([s.output_token_ids for s in seqs])
+        return dataclasses.replace(rows, prompt_token_ids=prompt, output_token_ids=output, banned_token_ids=banned,
+                                   allowed_token_bitmask=fill_token_bitmask(seqs, self.vocab_size, self.device))
 
     def _row_settings(self, seqs: list[Sequence]) -> SamplingBatch:
-        """The settings that stay with a sequence (its SamplingParams, its generator), as a
-        SamplingBatch without the per-step fields."""
+        """The settings that stay with each sequence, as a SamplingBatch without this step's
+        penalty token ids, bans and grammar mask."""
         params = [s.params for s in seqs]
-        dev = self.device
-
-        def col(values: list, dtype: torch.dtype) -> torch.Tensor:
-            return torch.tensor(values, dtype=dtype, device=dev)
-
-        temperature = [p.temperature for p in params]
+        # one [6, B] float32 tensor, a row per setting: one call, not six
+        temperature, top_p, min_p, repetition, presence, frequency = torch.tensor(
+            [[getattr(p, name) for p in params] for name in FLOAT_SETTINGS], dtype=torch.float32, device=self.device)
         top_k = [p.top_k if p.top_k > 0 else 0 for p in params]
         want = [p.logprobs for p in params if p.logprobs is not None]
         return SamplingBatch(
-            temperature=col(temperature, torch.float32),
-            top_k=col(top_k, torch.int64),
-            top_p=col([p.top_p for p in params], torch.float32),
-            min_p=col([p.min_p for p in params], torch.float32),
-            repetition_penalty=col([p.repetition_penalty for p in params], torch.float32),
-            presence_penalty=col([p.presence_penalty for p in params], torch.float32),
-            frequency_penalty=col([p.frequency_penalty for p in params], torch.float32),
-            all_greedy=all(t == 0.0 for t in temperature),
-            any_top_k=any(k > 0 for k in top_k),
-            any_top_p=any(p.top_p < 1.0 for p in params),
-            any_min_p=any(p.min_p > 0.0 for p in params),
+            temperature, torch.tensor(top_k, dtype=torch.int64, device=self.device), top_p, min_p, repetition, presence,
+            frequency, all_greedy=all(p.temperature == 0.0 for p in params), any_top_k=any(k > 0 for k in top_k),
+            any_top_p=any(p.top_p < 1.0 for p in params), any_min_p=any(p.min_p > 0.0 for p in params),
             any_penalty=any(p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty for p in params),
             generators={i: s.generator for i, s in enumerate(seqs) if s.generator is not None},
-            prompt_token_ids=None,
-            output_token_ids=None,
-            banned_token_ids=[],
-            max_num_logprobs=max(want) if want else -1,
-        )
+            prompt_token_ids=None, output_token_ids=None, banned_token_ids=[],
+            max_num_logprobs=max(want) if want else -1)
 
     def _padded(self, rows: list[list[int]]) -> torch.Tensor:
         width = max((len(r) for r in rows), default=0)

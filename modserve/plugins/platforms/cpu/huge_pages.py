@@ -66,7 +66,7 @@ def move_weights_to_huge_pages(module: torch.nn.Module) -> HugePageResult:
             batch.append(pending.pop(0))
             total += -(-sizes[batch[-1]] // ALIGN) * ALIGN
         try:
-            arena = _huge_page_arena(total)
+            arena = huge_page_buffer(total)
         except OSError as e:
             return HugePageResult(moved, _huge_bytes(arenas), time.perf_counter() - start, f"madvise failed: {e}")
         arenas.append((arena.data_ptr(), total))
@@ -86,9 +86,9 @@ def move_weights_to_huge_pages(module: torch.nn.Module) -> HugePageResult:
     return HugePageResult(moved, _huge_bytes(arenas), time.perf_counter() - start)
 
 
-def _huge_page_arena(nbytes: int) -> torch.Tensor:  # [nbytes] uint8, starting on a huge page
+def huge_page_buffer(nbytes: int) -> torch.Tensor:  # [nbytes] uint8, starting on a huge page
     """A fresh anonymous mapping that asks for huge pages before anything touches it (the
-    tensor keeps it alive)."""
+    tensor keeps it alive); OSError where madvise fails, AttributeError where the OS has none."""
     mapping = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     mapping.madvise(mmap.MADV_HUGEPAGE)
     whole = torch.frombuffer(mapping, dtype=torch.uint8)
