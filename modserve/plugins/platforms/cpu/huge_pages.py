@@ -36,7 +36,7 @@ class HugePageResult:
     moved_bytes: int  # bytes of weights copied into the arenas
     huge_bytes: int  # of the arenas, bytes the kernel backs with huge pages (/proc/self/smaps)
     seconds: float
-    problem: str | None = None  # why nothing moved
+    problem: str | None = None  # why it stopped (what moved before stays moved)
 
 
 def move_weights_to_huge_pages(module: torch.nn.Module) -> HugePageResult:

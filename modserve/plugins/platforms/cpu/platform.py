@@ -103,7 +103,7 @@ class CpuPlatform(Platform):
     def _move_to_huge_pages(model: CausalLM) -> None:
         moved = move_weights_to_huge_pages(model)
         if moved.problem:
-            logger.info("huge pages: off (%s)", moved.problem)
+            logger.info("huge pages: off (%s; %.0f MiB moved before)", moved.problem, moved.moved_bytes / 2**20)
             return
         logger.info("huge pages: %.0f MiB of weights copied into huge-page memory in %.2f s, %.0f MiB of it in "
                     "2 MiB pages%s", moved.moved_bytes / 2**20, moved.seconds, moved.huge_bytes / 2**20,
