@@ -1,13 +1,14 @@
 # make test   — set up .venv (torch CPU build pinned, the project, then the example plugin) and run the test suite
 # make serve  — set up and serve the built-in demo model on http://127.0.0.1:8000
 # make ab     — A/B the built-in attention backends and KV allocators on the tiny model (CI gate)
+# make triton-newest — the Triton kernels' interpreter tests against the newest triton pyproject.toml allows
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
 
-.PHONY: install test serve ab clean
+.PHONY: install test serve ab triton-newest clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -63,6 +64,20 @@ ab: install
 		$(VENV)/bin/modserve --log-level WARNING compare configs/ab/$${pair%:*}.yaml configs/ab/$${pair#*:}.yaml \
 			--model "$$model" --out-dir build/ab/$${pair%:*}-vs-$${pair#*:} $(AB_FLAGS) || exit 1; \
 	done
+
+# The suite runs the Triton kernels (in the interpreter, without a GPU) with the triton that
+# constraints.txt pins; this runs them with the newest one pyproject.toml's range allows, from a
+# --target folder first on PYTHONPATH so the venv keeps its pin. ~80 s on 2 cores (download
+# and interpreter), so CI runs it and `make test` does not.
+TRITON_NEWEST := build/triton-newest
+TRITON_SPEC := $(PY) -c "import tomllib; print(next(d.split(';')[0].strip() for d in \
+	tomllib.load(open('pyproject.toml', 'rb'))['project']['dependencies'] if d.startswith('triton')))"
+triton-newest: install
+	spec=$$($(TRITON_SPEC)) && rm -rf $(TRITON_NEWEST) && \
+		$(PIP) install -qq --no-deps --target $(TRITON_NEWEST) "$$spec" && \
+		PYTHONPATH=$(TRITON_NEWEST) $(PY) -c "import triton; print('triton-newest: $$spec ->', triton.__version__)" && \
+		PYTHONPATH=$(TRITON_NEWEST) $(PY) -m pytest -q tests/test_triton_attention.py tests/test_moe_backends.py \
+			tests/test_quantization.py -k triton
 
 serve: install
 	$(VENV)/bin/modserve serve $(ARGS)

@@ -22,6 +22,11 @@ Everything here is ordinary GPU Triton. On CPU tensors it runs only under the in
 chosen by ``triton.jit`` when this module is imported with ``TRITON_INTERPRET=1``; there, and
 only there, bfloat16 is multiplied in float32 (``DOT_F32``: the interpreter's ``tl.dot`` cannot
 multiply bfloat16), so the tests check that dtype's loads, conversions and stores, not its dot.
+
+MASKS: a load or store mask is always a comparison of a tensor, never a scalar condition
+``&``-ed with a tensor: the interpreter computes ``scalar_bool & tensor_bool`` in integers, and
+since Triton 3.9 its ``tl.load`` refuses such a mask ("mask has unsupported dtype"). A scalar
+condition goes into a bound instead (``h < tl.where(ok, NUM_KV_HEADS, 0)``).
 """
 
 from __future__ import annotations
@@ -46,11 +51,13 @@ def _write_kv_kernel(
 ):
     t = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_mapping_ptr + t).to(tl.int64)
-    keep = slot >= 0  # NOTE: -1 marks a padding row: it must write nowhere
+    # NOTE: -1 marks a padding row: it must write nowhere, so it has no heads to write. The
+    # condition goes into the bound (see MASKS in the module docstring).
+    num_heads = tl.where(slot >= 0, NUM_KV_HEADS, 0)
     slot = tl.maximum(slot, 0)
     h = tl.arange(0, H_PAD)  # [H_PAD]
     d = tl.arange(0, D_PAD)  # [D_PAD]
-    mask = keep & (h < NUM_KV_HEADS)[:, None] & (d < HEAD_D)[None, :]  # [H_PAD, D_PAD]
+    mask = (h < num_heads)[:, None] & (d < HEAD_D)[None, :]  # [H_PAD, D_PAD]
     dst = (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_co + h[:, None] * stride_ch + d[None, :]
     k = tl.load(k_ptr + t * stride_kt + h[:, None] * stride_kh + d[None, :], mask=mask)
     v = tl.load(v_ptr + t * stride_vt + h[:, None] * stride_vh + d[None, :], mask=mask)
@@ -205,8 +212,9 @@ def _decode_split_kernel(
     head = kv_head * G + g
     d = tl.arange(0, D_PAD)
     d_ok = d < HEAD_D
+    q_heads = tl.where(has_row, G, 0)  # no new token: no query to load (see MASKS)
     q = tl.load(q_ptr + row * stride_qt + head[:, None] * stride_qh + d[None, :],
-                mask=has_row & g_ok[:, None] & d_ok[None, :], other=0)  # [M, D_PAD]
+                mask=(g < q_heads)[:, None] & d_ok[None, :], other=0)  # [M, D_PAD]
     if DOT_F32:
         q = q.to(tl.float32)
 
@@ -252,8 +260,9 @@ def _reduce_splits_kernel(
                   other=0.0)  # [S_PAD, D_PAD]
     total = tl.sum(w, axis=0)
     out = tl.sum(w[:, None] * o_s, axis=0) / tl.where(total > 0, total, 1.0) * out_scale  # [D_PAD]
+    out_d = tl.where(has_row, HEAD_D, 0)  # no new token: no row to write (see MASKS)
     tl.store(out_ptr + row * stride_ot + head * stride_oh + d, out.to(out_ptr.dtype.element_ty),
-             mask=has_row & d_ok)
+             mask=d < out_d)
 
 
 # ---------------------------------------------------------------------------
