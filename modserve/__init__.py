@@ -11,21 +11,24 @@ from modserve import moved as _moved
 
 _moved.install()  # old module paths keep importing, with a DeprecationWarning
 
-__all__ = ["LLM", "SamplingParams", "StructuredOutputs", "EngineConfig", "__version__"]
+# name -> the module that defines it; vLLM's top-level names among them
+_EXPORTS = {
+    "LLM": "modserve.llm",
+    "SamplingParams": "modserve.core.sampling_params",
+    "StructuredOutputs": "modserve.core.structured_outputs",
+    "EngineConfig": "modserve.core.config",
+    "TextPrompt": "modserve.inputs",
+    "TokensPrompt": "modserve.inputs",
+    "RequestOutput": "modserve.core.outputs",
+    "CompletionOutput": "modserve.core.outputs",
+}
+__all__ = [*_EXPORTS, "__version__"]
 
 
 def __getattr__(name: str):
     # Lazy: `import modserve` stays cheap (the CLI and plugin registration import no torch).
-    if name == "LLM":
-        from modserve.llm import LLM
-        return LLM
-    if name == "SamplingParams":
-        from modserve.core.sampling_params import SamplingParams
-        return SamplingParams
-    if name == "StructuredOutputs":
-        from modserve.core.structured_outputs import StructuredOutputs
-        return StructuredOutputs
-    if name == "EngineConfig":
-        from modserve.core.config import EngineConfig
-        return EngineConfig
-    raise AttributeError(name)
+    if name not in _EXPORTS:
+        raise AttributeError(name)
+    import importlib
+
+    return getattr(importlib.import_module(_EXPORTS[name]), name)

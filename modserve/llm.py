@@ -8,20 +8,25 @@ from pathlib import Path
 from typing import Any, Sequence as Seq
 
 from tqdm import tqdm
+from transformers import PreTrainedTokenizerBase
 
 from modserve.core.config import EngineConfig, load_config_file
 from modserve.core.engine import LLMEngine
 from modserve.core.outputs import RequestOutput
 from modserve.core.registry import Registry
 from modserve.core.sampling_params import SamplingParams
+from modserve.inputs import PromptType, parse_prompts
+from modserve.server.grammar_bounds import GrammarBounds, check_bounds
+from modserve.vllm_compat import engine_config
 
-Prompt = str | list[int]
 Messages = list[dict[str, Any]]
 
 
 class LLM:
     """An engine for offline batches. ``LLM(model=path, **overrides)`` takes any
-    :class:`EngineConfig` field as a keyword; ``LLM.from_config(file, **overrides)``.
+    :class:`EngineConfig` field as a keyword, and vLLM's engine arguments as ``modserve serve``
+    takes them (``gpu_memory_utilization``, ``enforce_eager``, ``dtype="half"``, ...: see
+    :mod:`modserve.vllm_compat`); ``LLM.from_config(file, **overrides)``.
 
     With ``tensor_parallel_size > 1`` the engine has worker processes: ``shutdown()`` (or a
     ``with LLM(...) as llm:`` block) stops them; an LLM dropped, or still alive when the
@@ -32,7 +37,7 @@ class LLM:
         data = config.model_dump() if config is not None else {}
         if model:
             data["model"] = model
-        config = EngineConfig.from_dict(data, **overrides)
+        config = engine_config(data, **overrides)
         self.config = config
         if config.data_parallel_size > 1:
             raise ValueError("data_parallel_size: replicas are the server's (modserve serve --data-parallel-size); "
@@ -48,7 +53,7 @@ class LLM:
     def from_config(cls, path: str | Path, **overrides: Any) -> "LLM":
         registry = overrides.pop("registry", None)
         progress = overrides.pop("progress", True)
-        config = EngineConfig.from_dict(load_config_file(path), **overrides)
+        config = engine_config(load_config_file(path), **overrides)
         return cls(config=config, registry=registry, progress=progress)
 
     def shutdown(self) -> None:
@@ -65,8 +70,10 @@ class LLM:
         if not self._finalizer.alive:
             raise RuntimeError("this LLM was shut down")
 
-    def get_tokenizer(self):
-        return self.engine.tokenizer
+    def get_tokenizer(self) -> PreTrainedTokenizerBase:
+        """The Hugging Face tokenizer, as vLLM's ``LLM.get_tokenizer()`` (with the configured
+        chat_template)."""
+        return self.engine.tokenizer.hf
 
     def reset_prefix_cache(self) -> None:
         """Forget cached prefixes, as vLLM's ``LLM.reset_prefix_cache``: a benchmark that
@@ -75,15 +82,18 @@ class LLM:
 
     def generate(
         self,
-        prompts: Prompt | Seq[Prompt],
+        prompts: PromptType | Seq[PromptType],
         sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
         use_tqdm: bool = True,
         priority: Seq[int] | None = None,
     ) -> list[RequestOutput]:
-        """Run every prompt to completion; outputs come back in input order.
-        ``priority`` (one per prompt, lower first) matters under the priority scheduler."""
+        """Run every prompt to completion; outputs come back in input order. A prompt is a
+        ``str``, a list of token ids, or vLLM's ``TextPrompt`` / ``TokensPrompt`` dict
+        (:mod:`modserve.inputs`). ``priority`` (one per prompt, lower first) matters under the
+        priority scheduler."""
         self._check_running()
-        prompts = _as_prompt_list(prompts)
+        parsed = parse_prompts(prompts)
+        prompts = [p.engine_input for p in parsed]
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             params = [sampling_params or SamplingParams()] * len(prompts)
         else:
@@ -97,6 +107,9 @@ class LLM:
         # schema is a ValueError here, before any request is queued.
         compiler = self.engine.grammar
         specs = [p.structured_outputs.spec() for p in params if p.structured_outputs is not None]
+        bounds = GrammarBounds.from_config(self.config)
+        for spec in specs:
+            check_bounds(spec, bounds)  # the same grammar_max_* bounds as the server's
         for spec, grammar in [(spec, compiler.submit(spec)) for spec in specs]:
             compiler.result(grammar, spec)
         for p in params:
@@ -111,7 +124,11 @@ class LLM:
             for rid in order:  # nothing half-submitted stays behind
                 self.engine.abort_request(rid)
             raise
-        return self._run(order, use_tqdm)
+        outputs = self._run(order, use_tqdm)
+        for out, p in zip(outputs, parsed):
+            if out.prompt is None:  # a TokensPrompt's own text, if it has one
+                out.prompt = p.text
+        return outputs
 
     def chat(
         self,
@@ -144,12 +161,3 @@ class LLM:
         finally:
             bar.close()
         return results  # type: ignore[return-value]
-
-
-def _as_prompt_list(prompts: Prompt | Seq[Prompt]) -> list[Prompt]:
-    if isinstance(prompts, str):
-        return [prompts]
-    prompts = list(prompts)
-    if prompts and isinstance(prompts[0], int):
-        return [prompts]  # one tokenized prompt
-    return prompts

@@ -42,7 +42,7 @@ def main() -> None:
     }
     runners = [EngineRunner(LLM(**{"dtype": "float32", "num_kv_blocks": 256, "progress": False, **cfg}), name)
                for name, cfg in methods.items()]
-    pool = token_pool(runners[0].llm.get_tokenizer().hf)
+    pool = token_pool(runners[0].llm.get_tokenizer())
     rng = np.random.default_rng(0)
     prompts = [rng.choice(pool, args.input_len).tolist() for _ in range(args.num_prompts)]
     single = interleave(runners, [BenchRequest(None, prompts[0], args.output_len)], args.repeats)

@@ -77,7 +77,7 @@ def main() -> None:
     print("| workload | KV blocks | allocator | prefix hit | hit tokens | evictions | steps | scheduler us/step |")
     print("|---|---|---|---|---|---|---|---|")
     for name, flags in WORKLOADS.items():
-        requests = tokenize(load_workload(SimpleNamespace(**{**DEFAULTS, **flags}), tok.hf), tok)
+        requests = tokenize(load_workload(SimpleNamespace(**{**DEFAULTS, **flags}), tok), tok)
         for blocks in args.blocks:
             for allocator in ("paged", "radix"):
                 r = results[name, allocator, blocks] = run(model, allocator, blocks, requests)

@@ -74,7 +74,7 @@ def methods(work: Path, text: Path) -> dict[str, tuple[Path, dict[str, Any]]]:
 def quality(llm: Any, heldout: str, task: list[Any]) -> dict[str, float]:
     from modserve.bench.evaluate import OfflineScorer, plain_encoder, score_task, text_perplexity
 
-    score, tok = OfflineScorer(llm), llm.get_tokenizer().hf
+    score, tok = OfflineScorer(llm), llm.get_tokenizer()
     ppl = text_perplexity(score, tok, heldout, max_length=256, stride=128)  # the training window
     acc = score_task(score, plain_encoder(tok), task)
     return {"perplexity": ppl["perplexity"], "acc": acc["acc"], "acc_norm": acc["acc_norm"]}

@@ -37,6 +37,8 @@ import httpx
 import openai
 from prometheus_client.parser import text_string_to_metric_families
 
+from soak_hostile import Hostile, HostileTally, run_hostile
+
 WORDS = ("the a of to and in is it that for on with as was by at be this from or have not are but had "
          "they we you one all there what so up out if about who get which go when make can like time "
          "model token cache batch queue layer server request stream memory block page kernel river "
@@ -72,7 +74,8 @@ def start_server(args: argparse.Namespace, port: int, log_path: Path) -> subproc
     model = args.model
     cmd = [sys.executable, "-m", "modserve", "--log-level", "warning", "serve", "--host", "127.0.0.1",
            "--port", str(port), "--model", model, "--served-model-name", "soak",
-           "--max-model-len", str(args.max_model_len), "--num-kv-blocks", str(args.num_kv_blocks)]
+           "--max-model-len", str(args.max_model_len), "--num-kv-blocks", str(args.num_kv_blocks),
+           "--max-num-seqs", str(args.max_num_seqs)]
     if args.num_threads:
         cmd += ["--num-threads", str(args.num_threads)]
     cmd += args.server_arg
@@ -178,14 +181,27 @@ class Tally:
     completion_tokens: int = 0  # usage of completed requests
     chunks: int = 0  # content chunks received, whatever became of the request
     by_kind: Counter[str] = field(default_factory=Counter)
+    ttft_s: list[float] = field(default_factory=list)  # completed requests: to the first content chunk
+    latency_s: list[float] = field(default_factory=list)  # completed requests: to the end
 
     @property
     def failures(self) -> int:
         return self.timeouts + self.incomplete + sum(self.errors.values())
 
     def as_dict(self) -> dict[str, Any]:
-        return {**asdict(self), "errors": dict(self.errors), "by_kind": dict(self.by_kind),
-                "failures": self.failures}
+        out = {**asdict(self), "errors": dict(self.errors), "by_kind": dict(self.by_kind),
+               "failures": self.failures}
+        del out["ttft_s"], out["latency_s"]  # their percentiles instead
+        return out | {"ttft": percentiles(self.ttft_s), "latency": percentiles(self.latency_s)}
+
+
+def percentiles(values: list[float]) -> dict[str, float | None]:
+    """p50 and p99 in seconds (None without values)."""
+    if not values:
+        return {"p50": None, "p99": None, "count": 0}
+    ordered = sorted(values)
+    at = lambda q: ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]  # noqa: E731
+    return {"p50": at(0.5), "p99": at(0.99), "count": len(ordered)}
 
 
 def random_prompt(rng: random.Random, max_words: int) -> str:
@@ -213,6 +229,8 @@ async def one_request(client: openai.AsyncOpenAI, model: str, rng: random.Random
     tally.by_kind[f"{'chat' if chat else 'completion'} n={n}"] += 1
     finished: set[int] = set()
     got = usage_tokens = 0
+    started = time.monotonic()
+    first: float | None = None
     try:
         async with asyncio.timeout(limit + (0 if abort else 5)):  # a hard bound, whatever httpx does
             if chat:
@@ -228,6 +246,7 @@ async def one_request(client: openai.AsyncOpenAI, model: str, rng: random.Random
                         if (c.delta.content if chat else c.text):
                             got += 1
                             tally.chunks += 1
+                            first = first or time.monotonic()
                         if c.finish_reason is not None:
                             finished.add(c.index)
                     if stop_after is not None and got >= stop_after and len(finished) < n:
@@ -242,6 +261,10 @@ async def one_request(client: openai.AsyncOpenAI, model: str, rng: random.Random
             tally.completed += 1
             tally.completion_tokens += usage_tokens
             tally.abort_not_triggered += abort
+            if not abort:
+                tally.latency_s.append(time.monotonic() - started)
+                if first is not None:
+                    tally.ttft_s.append(first - started)
     except (openai.APITimeoutError, httpx.TimeoutException, TimeoutError):
         if abort:
             tally.aborted += 1
@@ -333,6 +356,20 @@ def checks(report: dict[str, Any], args: argparse.Namespace) -> list[dict[str, A
          f"{report['server_finished'].get('abort', 0)} aborts for {load['disconnected']} disconnects "
          f"and {load['aborted']} timeouts"),
     ]
+    if "hostile" in report:
+        victims, hostile = report["hostile"]["victims"], report["hostile"]["hostile"]
+        clean_p99, hostile_p99 = load["latency"]["p99"], victims["latency"]["p99"]
+        slowdown = hostile_p99 / clean_p99 if clean_p99 and hostile_p99 else None
+        out += [
+            ("no victim failed beside the hostile clients", victims["failures"] == 0,
+             f"{victims['failures']}: errors {victims['errors']}, timeouts {victims['timeouts']}"),
+            ("every hostile request refused (4xx), served within bounds or cut by the server",
+             hostile["num_failures"] == 0, f"{hostile['num_failures']}: {hostile['failures']}"),
+            (f"victims' p99 latency at most {args.max_victim_slowdown:g}x the clean run's",
+             slowdown is not None and slowdown <= args.max_victim_slowdown,
+             f"{hostile_p99 or 0:.2f} s against {clean_p99 or 0:.2f} s"
+             + (f" ({slowdown:.2f}x)" if slowdown else "")),
+        ]
     if report["server"].get("log"):  # only the server this script started has a log to read
         out.append(("no traceback or ERROR in the server log", not report["server_log_problems"],
                     f"{len(report['server_log_problems'])} lines"))
@@ -345,6 +382,26 @@ def checks(report: dict[str, Any], args: argparse.Namespace) -> list[dict[str, A
         out.append((f"server stopped on SIGTERM within {args.stop_timeout:.0f} s", not stop["killed"],
                     f"returncode {stop['returncode']}"))
     return [{"check": name, "ok": bool(ok), "detail": detail} for name, ok, detail in out]
+
+
+def _p(latency: dict[str, Any]) -> str:
+    if not latency["count"]:
+        return "n/a"
+    return f"{latency['p50']:.2f} / {latency['p99']:.2f} ({latency['count']} requests)"
+
+
+def _hostile_rows(hostile: dict[str, Any] | None) -> list[tuple[str, Any]]:
+    if hostile is None:
+        return []
+    h = hostile["hostile"]
+    return [("hostile phase: victims completed / failed", f"{hostile['victims']['completed']} / "
+             f"{hostile['victims']['failures']}"),
+            ("hostile phase: victims' latency p50 / p99 (s)", _p(hostile["victims"]["latency"])),
+            ("hostile requests sent", json.dumps(h["sent"])),
+            ("  refused (4xx)", json.dumps(h["refused"])),
+            ("  served", json.dumps(h["served"])),
+            ("  cut by the server", json.dumps(h["cut"])),
+            ("  failures", json.dumps(h["failures"]))]
 
 
 def print_summary(report: dict[str, Any]) -> None:
@@ -377,6 +434,8 @@ def print_summary(report: dict[str, Any]) -> None:
         ("preemptions (total)", after.get("preemptions")),
         ("server: requests ended, by reason", json.dumps(report["server_finished"])),
         ("RSS before / after / growth (MiB)", f"{fmt(rss['before'])} / {fmt(rss['after'])} / {fmt(rss['growth'])}"),
+        ("victims' latency p50 / p99 (s)", _p(load["latency"])),
+        *_hostile_rows(report.get("hostile")),
         ("machine", f"{report['machine']['cpus']} CPUs, {report['machine']['cpu_model']}"),
         ("server log", report["server"].get("log", "n/a (not started here)")),
     ]
@@ -413,6 +472,10 @@ async def soak(args: argparse.Namespace, url: str, pid: int | None, report: dict
     report["load"], report["load_wall_s"] = tally.as_dict(), wall
     if not alive():
         raise RuntimeError("the server process exited during the load")
+    if args.hostile_workers:
+        report["hostile"] = await hostile_phase(args, url, model, alive)
+        if not alive():
+            raise RuntimeError("the server process exited during the hostile load")
     report["metrics_after"], report["idle_wait_s"] = await wait_idle(url, args.idle_timeout)
     before, after = report["metrics_after_warmup"]["finished"], report["metrics_after"]["finished"]
     # Requests the server ended during the soak, by finish reason (per sample when n > 1; an
@@ -421,6 +484,24 @@ async def soak(args: argparse.Namespace, url: str, pid: int | None, report: dict
     rss_after = rss_mb(pid)
     growth = None if rss_before is None or rss_after is None else rss_after - rss_before
     report["rss_mb"] = {"before": rss_before, "after": rss_after, "growth": growth}
+
+
+async def hostile_phase(args: argparse.Namespace, url: str, model: str,
+                        alive: Callable[[], bool]) -> dict[str, Any]:
+    """The same clients again (same seed: the same requests), now beside --hostile-workers
+    hostile clients; the victims' latencies against the clean phase's say what the hostile
+    ones cost the others."""
+    print(f"hostile load: {args.duration:.0f} s, {args.concurrency} victims and {args.hostile_workers} "
+          "hostile clients", flush=True)
+    hostile = Hostile(url, args.api_key, model, args.max_num_seqs, args.slow_reader_hold)
+    htally = HostileTally()
+    try:
+        (victims, wall), _ = await asyncio.gather(
+            run_load(url, model, args.duration, args, seed=args.seed, label="hostile", alive=alive),
+            run_hostile(hostile, args.hostile_workers, args.duration, args.seed, htally, alive))
+    finally:
+        await hostile.close()
+    return {"victims": victims.as_dict(), "hostile": htally.as_dict(), "wall_s": wall}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -437,6 +518,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-rss-growth-mb", type=float, default=200.0)
     p.add_argument("--seed", type=int, default=0, help="seed of the clients' dice")
     p.add_argument("--out", type=Path, help="write the JSON report here")
+    p.add_argument("--hostile-workers", type=int, default=0,
+                   help="after the load, run it again beside this many hostile clients (scripts/soak_hostile.py)")
+    p.add_argument("--max-num-seqs", type=int, default=16,
+                   help="the server's max_num_seqs: sizes the hostile fan-out (passed to a server started here)")
+    p.add_argument("--slow-reader-hold", type=float, default=8.0,
+                   help="seconds a hostile slow reader reads nothing; past the server's stream_stall_timeout")
+    p.add_argument("--max-victim-slowdown", type=float, default=4.0,
+                   help="victims' p99 latency in the hostile phase over the clean phase's, at most")
     server = p.add_argument_group("the server this script starts")
     server.add_argument("--model", help="checkpoint directory (default: modserve.testing.cached_checkpoint())")
     server.add_argument("--max-model-len", type=int, default=256)

@@ -15,9 +15,9 @@ from typing import Any, ClassVar, Sequence as Seq
 import torch
 
 from modserve.api import (
-    AttentionBackend, AttentionMetadata, BlockTransfer, CudaGraphSupport, GrammarMatcher, KVConnectorContext, Proposal,
-    Register, Schedule, SchedulerLimits, SchedulerView, Sequence, TensorLayout, WorkerSpec, hookimpl, read_kv, slots,
-    write_kv)
+    AttentionBackend, AttentionMetadata, BlockTransfer, CudaGraphSupport, GrammarBackend, GrammarMatcher,
+    GrammarSpec, KVConnectorContext, Proposal, Register, Schedule, SchedulerLimits, SchedulerView, Sequence,
+    TensorLayout, WorkerSpec, hookimpl, read_kv, slots, write_kv)
 from modserve.api.fp8 import FP8
 from modserve.attention_backends.paged import PagedAttention
 from modserve.plugins.grammars.xgrammar_backend import XGrammarBackend
@@ -374,6 +374,16 @@ class FaultyGrammar(XGrammarBackend):
                 raise RuntimeError(str(e)) from None
             raise
 
+    def serialize(self, compiled: Any) -> bytes:
+        if self.fault == "default_serialize":  # pickle: xgrammar's CompiledGrammar does not pickle
+            return GrammarBackend.serialize(self, compiled)
+        return super().serialize(compiled)
+
+    def deserialize(self, data: bytes) -> Any:
+        if self.fault == "deserialize_another_grammar":
+            return self.compile(GrammarSpec("regex", "[a-z]+"))
+        return super().deserialize(data)
+
     def matcher(self, compiled: Any, max_rollback: int) -> GrammarMatcher:
         return FaultyMatcher(super().matcher(compiled, max_rollback), self.fault, self.vocab.vocab_size)
 
@@ -632,7 +642,7 @@ BROKEN: dict[str, dict[str, Any]] = {
     "grammar_backend": {f: grammar(f) for f in (
         "allows_everything", "eos_anywhere", "ors_into_row", "writes_other_rows", "refusal_resets",
         "accepts_anything", "rollback_noop", "reset_noop", "eos_does_not_terminate", "terminated_from_the_start",
-        "compile_raises_runtime_error")},
+        "compile_raises_runtime_error", "default_serialize", "deserialize_another_grammar")},
     "quantizer": {"apply_ignores_bias": ApplyIgnoresBias, "dequantize_transposed": DequantizeTransposed,
                   "zero_weights": ZeroWeights, "weight_bytes_forget_scales": WeightBytesForgetScales,
                   "ignores_shard_offsets": IgnoresShardOffsets, "ignores_unknown_names": IgnoresUnknownNames,

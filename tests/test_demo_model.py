@@ -29,7 +29,7 @@ MIN_RATIO = 20.0
 def heldout_perplexity(model_dir: Path) -> float:
     llm = LLM(str(model_dir), **ENGINE)
     text = (DEMO_ROOT / "heldout.txt").read_text()[:HELDOUT_CHARS]
-    return text_perplexity(OfflineScorer(llm), llm.get_tokenizer().hf, text, max_length=256)["perplexity"]
+    return text_perplexity(OfflineScorer(llm), llm.get_tokenizer(), text, max_length=256)["perplexity"]
 
 
 @pytest.fixture(scope="module")

@@ -93,7 +93,7 @@ def test_incremental_text_equals_full_decode(llm):
 
 
 def test_incremental_decoder_never_splits_a_character(llm):
-    tok = llm.get_tokenizer()
+    tok = llm.engine.tokenizer  # the engine's, with its streaming decoder
     text = "naïve 日本語 😀🚀 Øresund"
     ids = tok.encode(text, add_special_tokens=False)
     stream = tok.stream()
@@ -106,7 +106,7 @@ def test_incremental_decoder_never_splits_a_character(llm):
 
 def test_stop_string_truncates_and_finishes(llm, greedy_reference):
     tok = llm.get_tokenizer()
-    full = tok.decode(greedy_reference[0])
+    full = tok.decode(greedy_reference[0], skip_special_tokens=True)
     stop = full[10:13]
     out = llm.generate([PROMPTS[0]], SamplingParams(temperature=0, max_tokens=24, stop=[stop],
                                                     ignore_eos=True), use_tqdm=False)[0].outputs[0]
@@ -147,7 +147,7 @@ def test_generation_config_eos_finishes_with_stop(llama_dir, greedy_reference, t
     c = llm.generate([PROMPTS[1]], SamplingParams(temperature=0, max_tokens=24), use_tqdm=False)[0].outputs[0]
     cut = greedy_reference[1].index(target) + 1
     assert c.finish_reason == "stop" and c.token_ids == greedy_reference[1][:cut]
-    assert c.text == llm.get_tokenizer().decode(greedy_reference[1][: cut - 1])
+    assert c.text == llm.get_tokenizer().decode(greedy_reference[1][: cut - 1], skip_special_tokens=True)
     # ignore_eos runs past it
     c = llm.generate([PROMPTS[1]], GREEDY, use_tqdm=False)[0].outputs[0]
     assert c.finish_reason == "length" and c.token_ids == greedy_reference[1]

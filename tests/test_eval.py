@@ -264,7 +264,7 @@ def quality_files(llm, tmp_path) -> tuple[Path, Path]:
     acc(reference) is high, a worse model's is lower; its perplexity is low, a worse model's higher."""
     from modserve import SamplingParams
 
-    tok = llm.get_tokenizer().hf
+    tok = llm.get_tokenizer()
     contexts = [f"Story {i}: once upon a time" for i in range(8)]
     params = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
     outs = llm.generate([tok.encode(c, add_special_tokens=False) for c in contexts], params, use_tqdm=False)

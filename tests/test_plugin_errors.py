@@ -334,7 +334,9 @@ def test_proposer_and_sampler_probs(spec_llm, seam, fault, kind, parts):
 
 @pytest.fixture(scope="module")
 def grammar_llm(llama_dir) -> LLM:
-    return make_llm(model=llama_dir, grammar_backend="broken")
+    # Threads: FAULT switches the backend in this process. A worker process's faults come back
+    # as the same PluginError (tests/test_grammar_isolation.py).
+    return make_llm(model=llama_dir, grammar_backend="broken", grammar_compile_isolation="thread")
 
 
 REGEX = SamplingParams(temperature=0.0, max_tokens=6, structured_outputs=StructuredOutputs(regex="[ab]{3}"))

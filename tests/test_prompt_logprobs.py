@@ -308,7 +308,7 @@ def check_vllm_shape(scored, ids: list[int], ref: torch.Tensor, tok, num_top: in
 @pytest.mark.parametrize("path, body, param", [
     ("/v1/completions", {"prompt": "x", "max_tokens": 0}, "max_tokens"),
     ("/v1/completions", {"prompt": "x", "prompt_logprobs": 21}, "prompt_logprobs"),
-    ("/v1/completions", {"prompt": "x", "echo": True, "logprobs": 6}, "logprobs"),
+    ("/v1/completions", {"prompt": "x", "echo": True, "logprobs": 21}, "logprobs"),  # over max_logprobs (20)
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "prompt_logprobs": -1},
      "prompt_logprobs"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "prompt_logprobs": 1,

@@ -143,7 +143,9 @@ def test_a_compiling_request_waits_while_others_decode(llama_dir):
     reg = Registry()
     reg.load_entrypoints({"modserve"})
     reg.add_plugin(_Gated(), "gated")
-    engine: LLMEngine = make_llm(llama_dir, registry=reg, grammar_backend="gated").engine
+    # thread: the backend waits on this process's Event
+    engine: LLMEngine = make_llm(llama_dir, registry=reg, grammar_backend="gated",
+                                 grammar_compile_isolation="thread").engine
     _Gated.gate.clear()
     engine.add_request("free", "Hello", SamplingParams(max_tokens=8, ignore_eos=True))
     engine.add_request("guided", "Hello", sample(StructuredOutputs(choice=["A", "B"]), n=1))

@@ -256,7 +256,8 @@ def test_llm_chat_uses_the_configured_chat_template(llama_dir, tmp_path):
     messages = [{"role": "user", "content": "Hi"}]
     for template in (str(path), TEMPLATE):  # a file, or inline Jinja
         llm = LLM(llama_dir, chat_template=template, num_kv_blocks=128, progress=False)
-        assert llm.get_tokenizer().apply_chat_template(messages) == "<<user>>Hi\n<<assistant>>"
+        assert llm.get_tokenizer().apply_chat_template(messages, tokenize=False, add_generation_prompt=True) \
+            == "<<user>>Hi\n<<assistant>>"
     with pytest.raises(ValueError, match="chat_template: '/no/such.jinja' is no Jinja template and no readable"):
         EngineConfig.from_dict({"model": llama_dir, "chat_template": "/no/such.jinja"})
 

@@ -294,7 +294,7 @@ def cmd_throughput(args: argparse.Namespace) -> int:
     pinning = pin(args)
     llm = _engine(args)
     tok = llm.get_tokenizer()
-    requests = tokenize(load_workload(args, tok.hf), tok)
+    requests = tokenize(load_workload(args, tok), tok)
     runners: list[Any] = [EngineRunner(llm)]
     try:
         if "vllm" in args.baseline:  # first: a missing vLLM should fail before the hf model loads
@@ -540,7 +540,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
         log_selection(config, label)
     llm_a, llm_b = (LLM(config=c, progress=False) for c in configs)
     tok = llm_a.get_tokenizer()
-    requests = tokenize(load_workload(args, tok.hf), tok)
+    requests = tokenize(load_workload(args, tok), tok)
     labels = labels_for(args.config_a, args.config_b)
     result = compare(llm_a, llm_b, labels, requests, args.repeats, args.warmups,
                      args.probe_prompts, args.probe_tokens)

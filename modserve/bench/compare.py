@@ -125,11 +125,11 @@ def evaluate_quality(llms: dict[str, Any], task: str | Path | None, text: str | 
     if examples is not None:
         q.task = {}
         for label, llm in llms.items():
-            result = score_task(OfflineScorer(llm), plain_encoder(llm.get_tokenizer().hf), examples)
+            result = score_task(OfflineScorer(llm), plain_encoder(llm.get_tokenizer()), examples)
             q.task[label] = {k: v for k, v in result.items() if k != "per_example"}
     if text:
         body = Path(text).read_text()
-        q.perplexity = {label: text_perplexity(OfflineScorer(llm), llm.get_tokenizer().hf, body, max_length, stride)
+        q.perplexity = {label: text_perplexity(OfflineScorer(llm), llm.get_tokenizer(), body, max_length, stride)
                         for label, llm in llms.items()}
     return q
 

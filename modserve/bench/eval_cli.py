@@ -60,7 +60,7 @@ def scorer_and_tokenizer(args: argparse.Namespace) -> tuple[Any, Any, str]:
 
     llm = LLM(config=config_from_args(args), progress=False)
     dtype = str(llm.engine.dtype).removeprefix("torch.")
-    return OfflineScorer(llm, args.batch_size), llm.get_tokenizer().hf, f"offline {llm.config.model} ({dtype})"
+    return OfflineScorer(llm, args.batch_size), llm.get_tokenizer(), f"offline {llm.config.model} ({dtype})"
 
 
 def cmd_perplexity(args: argparse.Namespace) -> int:

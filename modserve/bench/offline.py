@@ -129,7 +129,7 @@ def single_stream(llm, input_len: int, output_len: int, repeats: int, warmups: i
     modserve in every repeat (A B A B ...); the runs per runner name."""
     from modserve.bench.workloads import token_pool
 
-    pool = token_pool(llm.get_tokenizer().hf)
+    pool = token_pool(llm.get_tokenizer())
     prompt = np.random.default_rng(seed).choice(pool, input_len).tolist()
     runner = EngineRunner(llm)
     request = BenchRequest(None, prompt, output_len)

@@ -72,12 +72,28 @@ class EngineConfig(BaseModel):
     max_waiting_requests: int = Field(
         1024, gt=0, description="Server: requests waiting for their first token; beyond this, 503 (a single "
         "request with more prompts than this is a 400: it could never be admitted)")
+    max_sequences_per_request: int | None = Field(
+        None, gt=0, description="Server: most sequences one request may start (its prompts times n), else 400; "
+        "default: 8 x max_num_seqs, eight batches' worth")
+    max_stop_strings: int = Field(64, gt=0, description="Server: most stop strings in one request, else 400")
+    max_stop_chars: int = Field(
+        1024, gt=0, description="Server: most characters in one request's stop strings together, else 400")
+    max_stop_token_ids: int = Field(64, gt=0, description="Server: most stop_token_ids in one request, else 400")
+    max_logprobs: int = Field(
+        20, ge=0, description="Most logprobs per token a request may ask for (completions logprobs, chat "
+        "top_logprobs, prompt_logprobs), else an error (400 at the server); vLLM's default")
     max_request_body_bytes: int | None = Field(
         None, gt=0, description="Server: largest request body accepted, else 413; default: 1 MiB plus "
         "64 bytes per token of max_model_len")
     request_read_timeout: float = Field(
         30.0, gt=0, description="Server: seconds a client may take to send a request's headers, and "
         "again its body; past it the connection is closed (headers) or answered 408 (body)")
+    max_response_bytes: int = Field(
+        64 * 2**20, gt=0, description="Server: largest non-streamed response a request may ask for, estimated "
+        "before it runs (n, prompts, max_tokens, logprobs, prompt_logprobs, echo), else 400")
+    stream_stall_timeout: float = Field(
+        30.0, ge=0, description="Server: seconds a stream's output may wait unread (its client does not read) "
+        "before the stream is aborted, freeing its sequences' batch slots and KV; 0: never")
     shutdown_timeout: float = Field(
         30.0, ge=0, description="Server: on SIGTERM/SIGINT, seconds to let requests in flight finish; then "
         "streams end with an error event and [DONE], others get 503")
@@ -138,10 +154,31 @@ class EngineConfig(BaseModel):
         "(the first registered backend that compiles the spec: xgrammar, then outlines, then others)")
     grammar_cache_size: int = Field(256, gt=0, description="Compiled grammars kept (LRU), per engine")
     grammar_compile_workers: int = Field(
-        2, gt=0, description="Threads compiling structured-output grammars: a slow compile holds one")
+        2, gt=0, description="Worker processes (or threads) compiling structured-output grammars, started "
+        "on the first guided request: a slow compile holds one until it ends or is killed")
     grammar_compile_timeout: float = Field(
-        10.0, gt=0, description="Seconds a grammar may take to compile; past it that request is refused "
-        "(400 at the server) and the compile finishes in the background for the cache")
+        10.0, gt=0, description="Seconds a grammar may take to compile (a worker's start-up not counted); "
+        "past it that request is refused (400 at the server) and its worker process is killed and replaced")
+    grammar_compile_memory_mb: int = Field(
+        1024, gt=0, description="MiB of address space a grammar compile worker may add beyond its imports; "
+        "a compile past it is stopped and its request refused (400 at the server)")
+    grammar_compile_isolation: Literal["process", "thread"] = Field(
+        "process", description="process: compiles run in worker processes that are killed at the timeout "
+        "or the memory cap; thread: in this process (no start-up, but never stopped: offline use only, "
+        "`modserve serve` always uses processes)")
+    grammar_max_size: int = Field(
+        100_000, gt=0, description="Structured outputs: the largest constraint compiled, in automaton "
+        "positions (counted repetitions multiplied out, a character class as 8, schema nodes, enum text); "
+        "past it a 400 (a ValueError offline)")
+    grammar_max_repetition: int = Field(
+        65_536, gt=0, description="Structured outputs: the largest counted repetition in a constraint (a{n}, "
+        "maxLength, maxItems; nested counts in a regex or grammar multiplied); past it a 400")
+    grammar_max_depth: int = Field(
+        128, gt=0, description="Structured outputs: the deepest nesting of a constraint (regex or grammar "
+        "groups, a schema's JSON); past it a 400")
+    grammar_max_alternatives: int = Field(
+        1024, gt=0, description="Structured outputs: the most alternatives in one place of a constraint "
+        "(choices, enum values, anyOf/oneOf branches, an object's properties, '|' branches); past it a 400")
     speculative: SpeculativeConfig | None = Field(None, description="Speculative decoding; off when unset")
     kv_connector: PluginChoice | None = Field(
         None, description="KV connector plugin: where full prompt blocks of KV go beyond this engine's cache "

@@ -68,7 +68,8 @@ class LLMEngine:
         self.eos_token_ids = self.tokenizer.eos_token_ids
         self.grammar = GrammarCompiler(registry, config.grammar_backend, config.tokenizer or config.model,
                                        hf_config.vocab_size, self.eos_token_ids, config.grammar_cache_size,
-                                       config.grammar_compile_workers, config.grammar_compile_timeout)
+                                       config.grammar_compile_workers, config.grammar_compile_timeout,
+                                       config.grammar_compile_isolation, config.grammar_compile_memory_mb)
         self.compiling: dict[str, Future] = {}  # request id -> its grammar, still compiling
         self.ranks_in_step = True  # the other ranks wait for rank 0's next call (not inside one)
         self.stopped = False
@@ -130,9 +131,10 @@ class LLMEngine:
         logger.info("compile: warm-up took %.1f s", time.perf_counter() - start)
 
     def shutdown(self) -> None:
-        """Stop the tensor-parallel workers, if any (idempotent; an engine of one rank has none)."""
+        """Stop the tensor-parallel workers, if any, and the grammar compile workers (idempotent)."""
         if not self.stopped:
             self.stopped = True
+            self.grammar.close()
             stop_ranks(self.executor, self.runner.tp, self.config.world_size, tell=self.ranks_in_step)
             self.runner.close()
 
@@ -232,6 +234,10 @@ class LLMEngine:
         if params.n > self.config.max_num_seqs:
             raise ValueError(f"n must be at most max_num_seqs={self.config.max_num_seqs} (the sequences this "
                              f"engine runs at once), got {params.n}")
+        for name in ("logprobs", "prompt_logprobs"):
+            if (getattr(params, name) or 0) > self.config.max_logprobs:
+                raise ValueError(f"{name} must be at most max_logprobs={self.config.max_logprobs}, got "
+                                 f"{getattr(params, name)}")
         vocab = self.runner.vocab_size
         bad = next((t for t in params.stop_token_ids if not 0 <= t < vocab), None)
         if bad is not None:

@@ -1,9 +1,11 @@
 """Structured outputs in the core: compile off the step path, cache, fill the batch mask.
 
-``GrammarCompiler.submit(spec)`` returns a Future: a worker thread compiles the
-spec once, and later requests with the same (kind, spec, tokenizer) share it
-from an LRU cache. The engine keeps a request out of the scheduler until its
-Future is done, so other requests keep decoding meanwhile.
+``GrammarCompiler.submit(spec)`` returns a Future: a worker compiles the spec
+once, and later requests with the same (kind, spec, tokenizer) share it from an
+LRU cache. The engine keeps a request out of the scheduler until its Future is
+done, so other requests keep decoding meanwhile. Workers are processes
+(:mod:`modserve.core.grammar_processes`: a compile past the timeout is killed), or
+threads with ``grammar_compile_isolation=thread`` (cheaper to start, never stopped).
 
 ``auto`` is core behaviour, not a plugin: it tries the registered backends in
 an order per kind (the priorities the backends declared when they registered) and takes the first that
@@ -18,14 +20,14 @@ import time
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 import torch
 
 from modserve.core.config import PluginChoice
 from modserve.core.interfaces import GrammarBackend, GrammarMatcher, GrammarVocab
 from modserve.core.plugin_calls import broke, calling, described, failed
-from modserve.core.registry import Registry, mark, registration_of
+from modserve.core.registry import PluginError, Registry, mark, registration_of
 from modserve.core.sequence import Sequence
 from modserve.core.structured_outputs import GrammarSpec
 
@@ -34,6 +36,14 @@ logger = logging.getLogger("modserve")
 AUTO = "auto"
 # Rollback depth every matcher supports: enough for speculative decoding's drafts.
 MAX_ROLLBACK = 32
+START_TIMEOUT_S = 120.0  # a compile worker process's imports and backends, on a busy machine
+
+
+class CompilerClosed(RuntimeError):
+    """A compile that was queued or running when the compiler shut down."""
+
+    def __init__(self) -> None:
+        super().__init__("the grammar compiler was shut down")
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,12 +70,13 @@ class GrammarCompiler:
 
     NOTE: ``submit`` may be called from any thread (the server validates specs on
     its event loop before the engine thread sees the request); the cache and the
-    backends are guarded by one lock, compiles run on the pool.
+    backends are guarded by one lock each, compiles run on the pool. With processes,
+    this process's backends only ``deserialize`` and make matchers.
     """
 
     def __init__(self, registry: Registry, choice: PluginChoice, tokenizer_path: str, vocab_size: int,
                  eos_token_ids: Iterable[int], cache_size: int = 256, num_workers: int = 2,
-                 timeout: float = 10.0) -> None:
+                 timeout: float = 10.0, isolation: str = "process", memory_mb: int = 1024) -> None:
         self.registry = registry
         self.auto = choice.name == AUTO
         if self.auto:
@@ -82,12 +93,16 @@ class GrammarCompiler:
         self.tokenizer_key = f"{tokenizer_path}@{vocab_size}"
         self.cache_size = cache_size
         self.num_workers = num_workers
-        self.timeout = timeout  # seconds a caller waits for a compile (see result)
+        self.timeout = timeout  # seconds a compile may take (see result)
+        self.isolation = isolation
+        self.memory_mb = memory_mb
         self.hits = self.misses = 0
         self._cache: OrderedDict[tuple, Future] = OrderedDict()
         self._backends: dict[str, GrammarBackend | Exception] = {}
         self._vocab: GrammarVocab | None = None
         self._pool: ThreadPoolExecutor | None = None
+        self._workers: Any = None  # CompileWorkers, with isolation "process"
+        self._setup: Any = None  # their WorkerSetup
         self._lock = threading.Lock()
         self._backend_lock = threading.Lock()
 
@@ -103,9 +118,12 @@ class GrammarCompiler:
                 self.hits += 1
                 return future
             self.misses += 1
-            if self._pool is None:
-                self._pool = ThreadPoolExecutor(self.num_workers, thread_name_prefix="modserve-grammar")
-            future = self._pool.submit(self._compile, spec)
+            if self.isolation == "process":
+                future = self._processes().submit(spec, self.order(spec.kind))
+            else:
+                if self._pool is None:
+                    self._pool = ThreadPoolExecutor(self.num_workers, thread_name_prefix="modserve-grammar")
+                future = self._pool.submit(self._compile, spec)
             self._cache[key] = future
             while len(self._cache) > self.cache_size:
                 self._cache.popitem(last=False)  # whoever holds that Future still has it
@@ -117,12 +135,59 @@ class GrammarCompiler:
         return self.submit(spec).result(timeout)
 
     def result(self, future: Future, spec: GrammarSpec) -> CompiledGrammar:
-        """Wait for ``future`` at most ``self.timeout`` seconds; a ValueError naming the
-        timeout past it (the compile goes on, and its grammar is cached when done)."""
+        """Wait for ``future``: a ValueError naming the timeout past it. A worker process
+        ends the Future itself (the compile killed, start-up not counted); a thread's
+        compile goes on, and its grammar is cached when done."""
         try:
-            return future.result(self.timeout)
+            return future.result(self.timeout + START_TIMEOUT_S if self.isolation == "process" else self.timeout)
         except TimeoutError:
-            raise ValueError(timeout_message(spec, self.timeout)) from None
+            raise ValueError(timeout_message(spec, self.timeout, stopped=self.isolation == "process")) from None
+
+    def close(self) -> None:
+        """Kill the worker processes (thread compiles cannot be stopped: not waited for); what
+        was queued or running fails with CompilerClosed. A later ``submit`` starts new ones."""
+        with self._lock:
+            workers, self._workers = self._workers, None
+            pool, self._pool = self._pool, None
+        if workers is not None:
+            workers.close()
+        if pool is not None:
+            pool.shutdown(wait=False, cancel_futures=True)
+
+    def worker_pids(self) -> list[int]:
+        return self._workers.pids() if self._workers is not None else []
+
+    def _processes(self) -> Any:
+        from modserve.core.grammar_processes import CompileWorkers  # NOTE: it imports this module
+
+        if self._workers is None:
+            self._workers = CompileWorkers(
+                self.num_workers, self.timeout, self._worker_setup, self._deserialized,
+                lambda spec: ValueError(timeout_message(spec, self.timeout)),
+                lambda spec, how: ValueError(memory_message(spec, self.memory_mb, how)))
+        return self._workers
+
+    def _worker_setup(self) -> Any:
+        from modserve.core.grammar_processes import picklable
+        from modserve.core.grammar_worker import WorkerSetup
+
+        with self._backend_lock:
+            if self._setup is None:
+                made_by = {}
+                for name in self.names:
+                    choice = self.choice if name == self.choice.name else PluginChoice(name=name)
+                    made_by[name] = picklable(self.registry.get("grammar_backend", name), choice)
+                self._setup = WorkerSetup(made_by, self.vocab(), self.memory_mb, len(self.names) == 1)
+            return self._setup
+
+    def _deserialized(self, name: str, data: bytes, seconds: float, spec: GrammarSpec) -> CompiledGrammar:
+        backend = self._backend(name)
+        if isinstance(backend, Exception):  # it compiled in the worker, but cannot be made here
+            raise PluginError(f"grammar backend {name!r} is unavailable in the engine's process: {backend}")
+        with calling(backend, "grammar_backend", "deserialize()"):
+            compiled = backend.deserialize(data)
+        logger.debug("grammar %s compiled by %s in %.3f s", spec.describe(), name, seconds)
+        return CompiledGrammar(name, backend, compiled, spec, seconds)
 
 
     def _forget_failure(self, key: tuple, future: Future) -> None:
@@ -133,29 +198,10 @@ class GrammarCompiler:
                     del self._cache[key]
 
     def _compile(self, spec: GrammarSpec) -> CompiledGrammar:
-        reasons = []
-        for name in self.order(spec.kind):
-            backend = self._backend(name)
-            if isinstance(backend, Exception):
-                reasons.append(f"{name}: unavailable ({backend})")
-                continue
-            if spec.kind not in backend.kinds:
-                reasons.append(f"{name}: does not support {spec.kind} constraints")
-                continue
-            start = time.perf_counter()
-            try:
-                compiled = backend.compile(spec)
-            except ValueError as e:  # the contract's refusal: its reason is what the user needs
-                reasons.append(f"{name}: {e}")
-                continue
-            except Exception as e:  # anything else is the backend's fault, not the spec's
-                raise failed(backend, "grammar_backend", "compile()", e) from e
-            elapsed = time.perf_counter() - start
-            logger.debug("grammar %s compiled by %s in %.3f s", spec.describe(), name, elapsed)
-            return CompiledGrammar(name, backend, compiled, spec, elapsed)
-        if len(self.names) == 1:
-            raise ValueError(f"{spec.kind} constraint refused: {reasons[0]}")
-        raise ValueError(f"no grammar backend accepted this {spec.kind} constraint: " + "; ".join(reasons))
+        grammar = compile_spec(spec, self.order(spec.kind), self._backend, len(self.names) == 1)
+        logger.debug("grammar %s compiled by %s in %.3f s", spec.describe(), grammar.backend_name,
+                     grammar.compile_seconds)
+        return grammar
 
     def order(self, kind: str) -> list[str]:
         """The backends to try for a spec of ``kind``: by the priority each declared for
@@ -194,9 +240,49 @@ class GrammarCompiler:
                 "grammar_cache_misses": self.misses}
 
 
-def timeout_message(spec: GrammarSpec, timeout: float) -> str:
-    return (f"the {spec.kind} constraint did not compile within grammar_compile_timeout={timeout:g} s; "
-            "simplify it, or retry later (the compile goes on and is cached)")
+def compile_spec(spec: GrammarSpec, names: list[str], backend_of: Callable[[str], GrammarBackend | Exception],
+                 single: bool) -> CompiledGrammar:
+    """Try the backends ``names`` in order; the first that compiles ``spec`` wins. A
+    ValueError gives each one's reason when none does (``single``: just the one's)."""
+    reasons = []
+    for name in names:
+        backend = backend_of(name)
+        if isinstance(backend, Exception):
+            reasons.append(f"{name}: unavailable ({backend})")
+            continue
+        if spec.kind not in backend.kinds:
+            reasons.append(f"{name}: does not support {spec.kind} constraints")
+            continue
+        start = time.perf_counter()
+        try:
+            compiled = backend.compile(spec)
+        except Exception as e:
+            if out_of_memory(e):  # a worker's memory cap: the spec's cost, not the backend's fault
+                raise MemoryError(str(e)) from e
+            if isinstance(e, ValueError):  # the contract's refusal: its reason is what the user needs
+                reasons.append(f"{name}: {e}")
+                continue
+            raise failed(backend, "grammar_backend", "compile()", e) from e  # the backend's fault
+        return CompiledGrammar(name, backend, compiled, spec, time.perf_counter() - start)
+    if single:
+        raise ValueError(f"{spec.kind} constraint refused: {reasons[0]}")
+    raise ValueError(f"no grammar backend accepted this {spec.kind} constraint: " + "; ".join(reasons))
+
+
+def out_of_memory(error: BaseException) -> bool:
+    """A MemoryError, or a C++ library's std::bad_alloc as its bindings raise it."""
+    return isinstance(error, MemoryError) or "bad_alloc" in str(error)
+
+
+def timeout_message(spec: GrammarSpec, timeout: float, stopped: bool = True) -> str:
+    return (f"the {spec.kind} constraint did not compile within grammar_compile_timeout={timeout:g} s; " +
+            ("the compile was stopped: simplify the constraint" if stopped else
+             "simplify it, or retry later (the compile goes on in a thread and is cached)"))
+
+
+def memory_message(spec: GrammarSpec, memory_mb: int, how: str) -> str:
+    return (f"the {spec.kind} constraint's compile ran out of memory (grammar_compile_memory_mb={memory_mb}; "
+            f"{how}) and was stopped: simplify the constraint")
 
 
 def wait_any(futures: Iterable[Future], timeout: float) -> None:

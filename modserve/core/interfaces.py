@@ -9,6 +9,7 @@ pydantic model it declared (or None).
 from __future__ import annotations
 
 import enum
+import pickle
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any, Callable, ClassVar, Iterable, Literal, NamedTuple, Sequence as Seq
@@ -827,13 +828,15 @@ class GrammarMatcher(ABC):
 class GrammarBackend(ABC):
     """Compiles constraints for one tokenizer and makes per-sequence matchers.
 
-    Contract: made at most once per engine, on a worker thread, when a request
-    first needs it. The core passes ``compile`` only specs whose kind is in
-    ``kinds``. ``compile`` may be slow and runs on a worker thread, possibly beside
-    other compiles; it raises ``ValueError`` saying why a spec is refused (invalid,
-    or a feature this backend lacks), and that message reaches the user. The core
-    caches its result and shares it between requests, so it must never change.
-    ``matcher`` is cheap and runs on the engine thread.
+    Contract: made when a request first needs it, once in the engine's process and
+    once in each grammar compile worker process (``grammar_compile_isolation``). The
+    core passes ``compile`` only specs whose kind is in ``kinds``. ``compile`` may be
+    slow and runs in a worker, possibly beside other compiles, which may be killed at
+    ``grammar_compile_timeout``; it raises ``ValueError`` saying why a spec is refused
+    (invalid, or a feature this backend lacks), and that message reaches the user.
+    Its result comes back to the engine's process as ``serialize``'s bytes, read by
+    ``deserialize`` there (defaults: pickle); the core caches it and shares it between
+    requests, so it must never change. ``matcher`` is cheap and runs on the engine thread.
     """
 
     kinds: ClassVar[frozenset[str]] = frozenset()
@@ -847,6 +850,14 @@ class GrammarBackend(ABC):
 
     @abstractmethod
     def matcher(self, compiled: Any, max_rollback: int) -> GrammarMatcher: ...
+
+    def serialize(self, compiled: Any) -> bytes:
+        """``compile``'s result as bytes, in the worker process that compiled it."""
+        return pickle.dumps(compiled)
+
+    def deserialize(self, data: bytes) -> Any:
+        """``serialize``'s bytes as ``compile``'s result again, in the engine's process."""
+        return pickle.loads(data)
 
 
 @dataclass(slots=True)

@@ -20,6 +20,11 @@ class CompletionOutput:
     def finished(self) -> bool:
         return self.finish_reason is not None
 
+    @property
+    def cumulative_logprob(self) -> float | None:
+        """The sampled tokens' logprobs summed, as vLLM's: None unless logprobs were requested."""
+        return None if self.logprobs is None else sum(e["logprob"] for e in self.logprobs)
+
 
 @dataclass(slots=True)
 class RequestMetrics:

@@ -65,6 +65,20 @@ class Registration:
                 f"{self.kind} {self.name!r} from {self.origin} failed to load: {type(e).__name__}: {e}"
             ) from e
 
+    def create(self, options: dict[str, Any], *args: Any, **kwargs: Any) -> Any:
+        """The implementation made with ``options`` validated (see :meth:`Registry.create`);
+        a registration that pickles does this in another process too."""
+        validated = self.validate_options(options)
+        cls = self.load()
+        try:
+            made = cls(*args, options=validated, **kwargs)
+        except Exception as e:
+            raise PluginError(
+                f"{self.kind} {self.name!r} from {self.origin} failed to initialise: {type(e).__name__}: {e}"
+            ) from e
+        mark(made, self)
+        return made
+
     def options_model(self) -> type[BaseModel] | None:
         if self.options is None:
             return None
@@ -259,17 +273,7 @@ class Registry:
         """Construct the implementation a :class:`~modserve.core.config.PluginChoice` selects,
         passing its validated options as ``options=``. The instance is marked with its
         registration (:func:`registration_of`): the core's errors about it name the plugin."""
-        reg = self.get(kind, choice.name)
-        options = reg.validate_options(choice.options)
-        cls = reg.load()
-        try:
-            made = cls(*args, options=options, **kwargs)
-        except Exception as e:
-            raise PluginError(
-                f"{kind} {reg.name!r} from {reg.origin} failed to initialise: {type(e).__name__}: {e}"
-            ) from e
-        mark(made, reg)
-        return made
+        return self.get(kind, choice.name).create(choice.options, *args, **kwargs)
 
     def describe(self) -> list[dict[str, Any]]:
         """Every distribution, its version and what it registered per kind."""

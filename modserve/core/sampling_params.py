@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import math
 from dataclasses import dataclass, field
 
@@ -10,6 +11,9 @@ from modserve.core.structured_outputs import StructuredOutputs
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 FLOAT32_TINY = 1.1754943508222875e-38  # torch.finfo(torch.float32).tiny
+# vLLM's _MAX_TEMP: a smaller non-zero temperature is raised to it. Far below it logits / t
+# overflow float32 to inf and sampling picks garbage (1e-40 took the least likely token).
+MIN_TEMPERATURE = 1e-2
 INT_FIELDS = ("n", "max_tokens", "min_tokens", "top_k", "seed", "logprobs", "prompt_logprobs")
 FLOAT_FIELDS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
 
@@ -18,7 +22,8 @@ FLOAT_FIELDS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence
 class SamplingParams:
     """How to sample one request. Mirrors vLLM's ``SamplingParams``.
 
-    ``temperature == 0`` is greedy. ``top_k <= 0`` (or -1) disables top-k.
+    ``temperature == 0`` is greedy; one in (0, 0.01) is raised to 0.01, as vLLM does.
+    ``top_k <= 0`` (or -1) disables top-k.
     ``logprobs=N`` returns the sampled token's logprob and the top N alternatives.
     ``prompt_logprobs=N`` returns each prompt token's logprob given the tokens before it, and
     the top N there (0: its own only). Such a prompt is computed in full: it skips the prefix
@@ -49,11 +54,13 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
-        self.stop = [s for s in (self.stop or []) if s]
+        self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
         if isinstance(self.structured_outputs, dict):
             self.structured_outputs = StructuredOutputs(**self.structured_outputs)
         self.validate()
+        if 0 < self.temperature < MIN_TEMPERATURE:
+            self.temperature = MIN_TEMPERATURE
 
     def validate(self) -> None:
         def bad(field_name: str, why: str) -> ValueError:
@@ -73,6 +80,8 @@ class SamplingParams:
             # Divisors and thresholds in float32: below its smallest normal they become 0.
             if 0 < getattr(self, name) < FLOAT32_TINY:
                 raise bad(name, f"must be at least {FLOAT32_TINY:.3g} (it is used in float32)")
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            raise bad("stop", "must be non-empty strings (an empty one would match everywhere)")
         if any(not isinstance(t, int) or t > INT64_MAX for t in self.stop_token_ids):
             raise bad("stop_token_ids", "must be integer token ids")
         if self.n < 1:
@@ -108,3 +117,7 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0 or self.top_k == 1
+
+    def clone(self) -> "SamplingParams":
+        """A deep copy, as vLLM's ``SamplingParams.clone()``: changing it leaves this one as it is."""
+        return copy.deepcopy(self)

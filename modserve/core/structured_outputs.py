@@ -82,6 +82,11 @@ def _canonical_schema(schema: Any) -> str:
             schema = jsonlib.loads(schema)
         except ValueError as e:
             raise ValueError(f"json: the schema is not valid JSON: {e}") from None
+        except RecursionError:  # the parser recurses per level: a deep text overflows it
+            raise ValueError("json: the schema nests too deeply to be read") from None
     if not isinstance(schema, (dict, bool)):
         raise ValueError(f"json: a schema must be a JSON object, got {type(schema).__name__}")
-    return jsonlib.dumps(schema, separators=(",", ":"), ensure_ascii=False)
+    try:
+        return jsonlib.dumps(schema, separators=(",", ":"), ensure_ascii=False)
+    except (RecursionError, ValueError, TypeError) as e:  # too deep, a cycle, or not JSON data
+        raise ValueError(f"json: the schema cannot be written as JSON ({type(e).__name__})") from None

@@ -11,6 +11,9 @@ import torch
 from modserve.api import Sampler, SamplerOutput, SamplingBatch, add_logprobs, sample_rows
 
 _NEG_INF = float("-inf")
+# SamplingParams raises a smaller non-zero temperature to this (vLLM's floor); kept here too
+# for batches built around it: far below it logits / t overflow float32 and sampling is garbage.
+_MIN_TEMPERATURE = 1e-2
 
 
 def _token_counts(ids: torch.Tensor, vocab_size: int, num_cols: int) -> torch.Tensor:
@@ -123,7 +126,7 @@ class DefaultSampler(Sampler):
         """Temperature, top-k / top-p, min-p: the logits a random row samples from."""
         temperature = batch.temperature.to(logits.dtype)
         # Greedy rows take the argmax anyway; 1.0 only keeps their maths finite.
-        logits = logits / torch.where(temperature == 0, 1.0, temperature).unsqueeze(1)
+        logits = logits / torch.where(temperature == 0, 1.0, temperature.clamp_min(_MIN_TEMPERATURE)).unsqueeze(1)
         if batch.any_top_k or batch.any_top_p:
             logits = apply_top_k_top_p(logits, batch)
         if batch.any_min_p:

@@ -22,12 +22,16 @@ from modserve.server.async_engine import DEAD_MESSAGE, AsyncEngine
 from modserve.server.chat import chat_prompt, create_chat_completion
 from modserve.server.completions import create_completion
 from modserve.server.errors import APIError, from_validation_error, invalid
+from modserve.server.grammar_bounds import GrammarBounds
 from modserve.server.metrics import ServerMetrics
 from modserve.server.openapi import declare_errors
 from modserve.server.replicas import ReplicaSet
 from modserve.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                       DetokenizeResponse, ModelCard, ModelList, TokenizeRequest, TokenizeResponse)
+from modserve.server.http_hygiene import HTTPHygieneMiddleware
+from modserve.server.json_body import DuplicateKey, JSONRoute
 from modserve.server.limits import BodyLimitMiddleware, default_max_body_bytes
+from modserve.server.request_limits import RequestLimits
 from modserve.server.serving import ServerState
 from modserve.server.tokenizer_pool import TokenizerPool
 
@@ -60,6 +64,9 @@ def create_app(engine: LLMEngine | Sequence[LLMEngine], api_key: str | None = No
         max_model_len=engine.max_model_len,
         max_waiting_requests=config.max_waiting_requests,
         grammar_timeout=config.grammar_compile_timeout,
+        limits=RequestLimits.of(config),
+        grammar_bounds=GrammarBounds.from_config(config),
+        max_response_bytes=config.max_response_bytes,
         allow_special_tokens_in_content=config.allow_special_tokens_in_content,
     )
 
@@ -77,12 +84,14 @@ def create_app(engine: LLMEngine | Sequence[LLMEngine], api_key: str | None = No
             logger.info("engine stopped")
 
     app = FastAPI(title="modserve", version=modserve.__version__, lifespan=lifespan)
+    app.router.route_class = JSONRoute  # before the routes: each parses its body with it
     app.state.server = state
     app.state.metrics = metrics
     max_body = config.max_request_body_bytes or default_max_body_bytes(engine.max_model_len)
     app.add_middleware(BodyLimitMiddleware, max_bytes=max_body, timeout=config.request_read_timeout)
-    if api_key:  # outermost: a request without the key is refused before its body is read
+    if api_key:  # outside the body limit: a request without the key is refused before its body is read
         app.add_middleware(APIKeyMiddleware, api_key=api_key)
+    app.add_middleware(HTTPHygieneMiddleware)  # outermost: an ambiguous request is read no further
     _add_error_handlers(app)
     _add_routes(app, state, metrics)
     declare_errors(app)
@@ -157,6 +166,10 @@ def _add_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: Request, exc: RequestValidationError) -> Response:
+        if isinstance(exc.__cause__, DuplicateKey):  # FastAPI raises it from the JSON error
+            key = exc.__cause__.key
+            return APIError(400, f"malformed JSON body: the key {key!r} appears twice in one object; give each "
+                            "key once", param=key, code="invalid_json").response()
         return from_validation_error(exc).response()
 
     @app.exception_handler(HTTPException)

@@ -63,12 +63,23 @@ class ShuttingDown(EngineError):
     """The server's drain timeout ran out before this request finished."""
 
 
+class StreamStalled(EngineError):
+    """The stream's client left its output unread for stream_stall_timeout: its requests were
+    aborted, so that a client that does not read holds no sequence of the batch."""
+
+
 class RequestObserver(Protocol):
     """Told about every request's end (metrics listen here)."""
 
     def request_finished(self, output: RequestOutput) -> None: ...
 
     def request_ended_early(self, reason: str) -> None: ...
+
+
+class Aborts(Protocol):
+    """What a RequestStream ends its requests through: an AsyncEngine, or a ReplicaSet."""
+
+    def abort(self, request_id: str, reason: str = "abort") -> None: ...
 
 
 @dataclass(slots=True)
@@ -98,6 +109,7 @@ class AsyncEngine:
     def __init__(self, engine: LLMEngine, observer: RequestObserver | None = None) -> None:
         self.engine = engine
         self.observer = observer
+        self.stall_timeout = engine.config.stream_stall_timeout
         self._commands: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._routes: dict[str, RequestStream] = {}  # loop thread only
         self._waiting: set[str] = set()  # submitted, no output yet; loop thread only
@@ -138,6 +150,7 @@ class AsyncEngine:
         are killed instead (which ends the stuck step too)."""
         if self._thread is not None and self._thread.is_alive():
             logger.warning("the engine thread is still running a step: killing its workers")
+            self.engine.grammar.close()
             self.engine.executor.shutdown()
         else:
             self.engine.shutdown()
@@ -151,25 +164,34 @@ class AsyncEngine:
     def submit(self, prompts: list[list[int]], params: SamplingParams,
                arrival_time: float | None = None, priority: int = 0) -> "RequestStream":
         """One engine request per prompt, all answered through one stream."""
+        stream = RequestStream(self, self.new_request_ids(len(prompts)), self.stall_timeout)
+        self.add(stream, stream.request_ids, prompts, params, arrival_time, priority)
+        return stream
+
+    def new_request_ids(self, num: int) -> list[str]:
+        batch = next(self._ids)
+        return [f"req-{batch}-{i}" for i in range(num)]
+
+    def add(self, stream: "RequestStream", request_ids: list[str], prompts: list[list[int]],
+            params: SamplingParams, arrival_time: float | None = None, priority: int = 0) -> None:
+        """Queue one engine request per prompt, named ``request_ids``, its outputs put to ``stream``
+        (which may also take other engines' requests: see ReplicaSet)."""
         if not self.alive:
             raise EngineDead(DEAD_MESSAGE if self.dead_reason is not None else "the engine is not running")
         arrival = time.perf_counter() if arrival_time is None else arrival_time
-        batch = next(self._ids)
-        ids = [f"req-{batch}-{i}" for i in range(len(prompts))]
-        stream = RequestStream(self, ids)
-        for rid, token_ids in zip(ids, prompts):
+        for rid, token_ids in zip(request_ids, prompts):
             self._routes[rid] = stream
             self._waiting.add(rid)
             self._commands.put(_Add(rid, token_ids, params, arrival, priority))
-        return stream
 
-    def abort(self, request_id: str) -> None:
+    def abort(self, request_id: str, reason: str = "abort") -> None:
+        """End a request that has not finished; ``reason`` is what /metrics counts it as."""
         if self._routes.pop(request_id, None) is None:
             return  # already finished, failed or aborted
         self._waiting.discard(request_id)
         self._commands.put(_Abort(request_id))
         if self.observer:
-            self.observer.request_ended_early("abort")
+            self.observer.request_ended_early(reason)
 
     async def stats(self) -> dict[str, Any]:
         """engine.stats(), read on the engine thread between steps."""
@@ -325,38 +347,61 @@ def _resolve(future: asyncio.Future, value: Any, error: BaseException | None = N
 class RequestStream:
     """The outputs of the engine requests one HTTP request made, as they come.
 
-    Iterating yields RequestOutputs (cumulative, as the engine makes them). When
-    several steps' outputs pile up, only each request's latest is yielded.
-    ``close()`` aborts whatever has not finished; it is safe to call twice.
+    Iterating yields RequestOutputs (cumulative, as the engine makes them). Only each
+    request's latest unread output is kept: a reader that falls behind holds one output
+    per request, never one per step. ``close()`` aborts whatever has not finished; it is
+    safe to call twice.
+
+    NOTE: a reader that takes nothing for ``stall_timeout`` seconds (0: never) while outputs
+    wait is a route blocked sending to a client that does not read. At the next output
+    after that, the stream aborts its requests (they leave the batch, their KV is freed)
+    and the reader, once it reads again, gets StreamStalled.
     """
 
-    engine: AsyncEngine
+    engine: Aborts
     request_ids: list[str]
-    _queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    stall_timeout: float = 0.0
+    _unread: dict[str, Result] = field(default_factory=dict)
+    _unread_since: float | None = None  # when the oldest unread output arrived (monotonic)
+    _arrived: asyncio.Event = field(default_factory=asyncio.Event)
     _ready: deque = field(default_factory=deque)
     _unfinished: set[str] = field(init=False)
+    _positions: dict[str, int] = field(init=False)
+    _stalled: StreamStalled | None = None
 
     def __post_init__(self) -> None:
         self._unfinished = set(self.request_ids)
+        self._positions = {rid: i for i, rid in enumerate(self.request_ids)}
 
     def index(self, request_id: str) -> int:
-        return self.request_ids.index(request_id)
+        """The position of ``request_id``'s prompt in the request."""
+        return self._positions[request_id]
 
     def put(self, request_id: str, result: Result) -> None:
-        self._queue.put_nowait((request_id, result))
+        self._unread[request_id] = result
+        self._arrived.set()
+        now = time.monotonic()
+        if self._unread_since is None:
+            self._unread_since = now
+        elif self.stall_timeout and now - self._unread_since > self.stall_timeout and self._unfinished:
+            self._stall(now - self._unread_since)
 
     def __aiter__(self) -> "RequestStream":
         return self
 
     async def __anext__(self) -> RequestOutput:
-        if not self._ready:
+        while not self._ready:
+            if self._stalled is not None:
+                raise self._stalled
             if not self._unfinished:
                 raise StopAsyncIteration
-            latest = dict([await self._queue.get()])
-            while not self._queue.empty():
-                rid, result = self._queue.get_nowait()
-                latest[rid] = result
-            self._ready.extend(latest.items())
+            if not self._unread:
+                self._arrived.clear()
+                await self._arrived.wait()
+                continue
+            self._ready.extend(self._unread.items())
+            self._unread.clear()
+            self._unread_since = None
         rid, result = self._ready.popleft()
         if isinstance(result, BaseException):
             self._unfinished.discard(rid)
@@ -370,3 +415,15 @@ class RequestStream:
         for rid in self._unfinished:
             self.engine.abort(rid)
         self._unfinished.clear()
+
+    def _stall(self, waited: float) -> None:
+        logger.warning("a stream's client read nothing for %.1f s (stream_stall_timeout=%g s): aborting its "
+                       "requests %s", waited, self.stall_timeout, ", ".join(sorted(self._unfinished)))
+        self._stalled = StreamStalled(f"the client read nothing of this stream for stream_stall_timeout="
+                                      f"{self.stall_timeout:g} s: it was aborted")
+        for rid in self._unfinished:
+            self.engine.abort(rid, "stalled")
+        self._unfinished.clear()
+        self._unread.clear()
+        self._ready.clear()
+        self._arrived.set()

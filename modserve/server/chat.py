@@ -5,12 +5,12 @@ from __future__ import annotations
 from typing import AsyncIterator
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 from starlette.background import BackgroundTask
 
 from modserve.core.outputs import RequestOutput
 from modserve.server.async_engine import EngineError, RequestStream
-from modserve.server.logprobs import chat_logprobs, prompt_logprobs
+from modserve.server.logprobs import TokenText, chat_logprobs, prompt_logprobs
 from modserve.server.protocol import (ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest,
                                       ChatCompletionResponse, ChatMessage, ChatMessageOut, DeltaMessage, Usage,
                                       now)
@@ -28,10 +28,15 @@ async def create_chat_completion(body: ChatCompletionRequest, state: ServerState
     arrival = arrival_time()
     state.check_model(body.model)
     body.check()
+    state.limits.check(body, 1)
     params = body.sampling_params(body.max_new_tokens, body.num_logprobs, body.prompt_logprobs)
     state.check_params(params)
     prompt = await chat_prompt(state, body.messages, body.add_generation_prompt)
     state.check_prompt(prompt, "messages")
+    state.check_min_tokens(params, len(prompt), "messages")
+    if not body.stream:
+        state.response_bound.check_chat(body.n, len(prompt), body.max_new_tokens, state.max_model_len,
+                                        body.num_logprobs, body.prompt_logprobs)
     await state.compile_grammar(params, body.constraint_param)
     stream = state.submit([prompt], params, arrival, body.priority)
     response_id = new_id("chatcmpl")
@@ -39,20 +44,20 @@ async def create_chat_completion(body: ChatCompletionRequest, state: ServerState
         events = _stream(body, state, stream, response_id, len(prompt))
         return StreamingResponse(events, media_type="text/event-stream", background=BackgroundTask(stream.close))
     outputs = await final_outputs(stream, request)
-    return JSONResponse(_response(body, state, outputs, response_id).model_dump())
+    return await state.json_response(lambda token_text: _response(body, state, outputs, response_id, token_text))
 
 
 def _response(body: ChatCompletionRequest, state: ServerState, outputs: list[RequestOutput],
-              response_id: str) -> ChatCompletionResponse:
+              response_id: str, token_text: TokenText) -> ChatCompletionResponse:
     choices = []
     for out in outputs:
         for c in out.outputs:
-            logprobs = chat_logprobs(c.logprobs, state.token_text) if c.logprobs is not None else None
+            logprobs = chat_logprobs(c.logprobs, token_text) if c.logprobs is not None else None
             choices.append(ChatChoice(index=c.index, message=ChatMessageOut(content=c.text), logprobs=logprobs,
                                       finish_reason=c.finish_reason, stop_reason=c.stop_reason))
     scored = None
     if body.prompt_logprobs is not None and outputs and outputs[0].prompt_logprobs is not None:
-        scored = prompt_logprobs(outputs[0].prompt_logprobs, state.token_text, body.prompt_logprobs)
+        scored = prompt_logprobs(outputs[0].prompt_logprobs, token_text, body.prompt_logprobs)
     return ChatCompletionResponse(id=response_id, model=state.model_name, choices=choices,
                                   usage=Usage.of(*usage_counts(outputs)), prompt_logprobs=scored)
 

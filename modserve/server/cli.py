@@ -42,6 +42,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if not args.config and args.cfg_model is None and args.model_tag is None:
         use_demo_model(args)
     config = config_from_args(args)  # a config file's host, port and api_key land on args here
+    if config.grammar_compile_isolation != "process":  # a compile in a thread cannot be stopped
+        logger.warning("grammar_compile_isolation=%s is for offline use: the server compiles grammars in "
+                       "worker processes", config.grammar_compile_isolation)
+        config = config.model_copy(update={"grammar_compile_isolation": "process"})
     host, port = args.host or DEFAULT_HOST, int(args.port or DEFAULT_PORT)
     api_key = args.api_key or os.environ.get("MODSERVE_API_KEY") or None
     # data_parallel_size > 1: that many engines of this config (replicas.replica_config), one app

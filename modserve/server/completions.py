@@ -5,12 +5,12 @@ from __future__ import annotations
 from typing import AsyncIterator
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 from starlette.background import BackgroundTask
 
 from modserve.core.outputs import RequestOutput
 from modserve.server.async_engine import EngineError, RequestStream
-from modserve.server.logprobs import completion_logprobs, echo_logprobs, prompt_logprobs
+from modserve.server.logprobs import TokenText, completion_logprobs, echo_logprobs, prompt_logprobs
 from modserve.server.protocol import (CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse,
                                       PromptLogprobs, Usage)
 from modserve.server.serving import (SSE_DONE, Piece, ServerState, StreamTally, arrival_time,
@@ -21,13 +21,18 @@ async def create_completion(body: CompletionRequest, state: ServerState, request
     arrival = arrival_time()
     state.check_model(body.model)
     body.check()
+    texts = body.prompts()
+    state.limits.check(body, len(texts))
     params = body.sampling_params(body.max_tokens, body.logprobs, body.engine_prompt_logprobs)
     state.check_params(params)
-    texts = body.prompts()
     state.check_batch(len(texts))  # before any of it is tokenized
     prompts = [await state.encode(p, "prompt") if isinstance(p, str) else list(p) for p in texts]
     for ids in prompts:
         state.check_prompt(ids, "prompt")
+        state.check_min_tokens(params, len(ids), "prompt")
+    if not body.stream:
+        state.response_bound.check_completion(body.n, list(map(len, prompts)), body.max_tokens, state.max_model_len,
+                                              body.echo, body.logprobs, body.prompt_logprobs)
     await state.compile_grammar(params, body.constraint_param)
     echoes = [await state.decode(ids) for ids in prompts] if body.echo else None
     stream = state.submit(prompts, params, arrival, body.priority)
@@ -36,18 +41,22 @@ async def create_completion(body: CompletionRequest, state: ServerState, request
         events = _stream(body, state, stream, response_id, echoes, sum(map(len, prompts)))
         return StreamingResponse(events, media_type="text/event-stream", background=BackgroundTask(stream.close))
     outputs = await final_outputs(stream, request)
-    return JSONResponse(_response(body, state, outputs, response_id, echoes).model_dump())
+    return await state.json_response(lambda token_text: _response(body, state, outputs, response_id, echoes,
+                                                                  token_text))
 
 
-def _response(body: CompletionRequest, state: ServerState, outputs: list[RequestOutput],
-              response_id: str, echoes: list[str] | None) -> CompletionResponse:
+def _response(body: CompletionRequest, state: ServerState, outputs: list[RequestOutput], response_id: str,
+              echoes: list[str] | None, token_text: TokenText) -> CompletionResponse:
     choices = []
     for i, out in enumerate(outputs):
         prefix = echoes[i] if echoes else ""
+        # Built once per prompt, shared by its n choices (as vLLM, each choice repeats it).
+        echoed, scored = _prompt_part(body, token_text, out)
         for c in out.outputs:
-            logprobs, scored = _prompt_part(body, state, out)
-            if c.logprobs is not None:
-                logprobs = completion_logprobs(c.logprobs, state.token_text, len(prefix), logprobs)
+            logprobs = echoed
+            if c.logprobs is not None:  # appended to a copy of the prompt's lists: the others share them
+                start = echoed.model_copy(update={k: list(v) for k, v in echoed}) if echoed else None
+                logprobs = completion_logprobs(c.logprobs, token_text, len(prefix), start)
             choices.append(CompletionChoice(index=i * body.n + c.index, text=prefix + c.text, logprobs=logprobs,
                                             finish_reason=c.finish_reason, stop_reason=c.stop_reason,
                                             prompt_logprobs=scored))
@@ -55,15 +64,15 @@ def _response(body: CompletionRequest, state: ServerState, outputs: list[Request
                               usage=Usage.of(*usage_counts(outputs)))
 
 
-def _prompt_part(body: CompletionRequest, state: ServerState,
+def _prompt_part(body: CompletionRequest, token_text: TokenText,
                  out: RequestOutput) -> tuple[CompletionLogprobs | None, PromptLogprobs | None]:
     """The prompt's logprobs as asked: echo's part of ``logprobs``, vLLM's ``prompt_logprobs``."""
     entries = out.prompt_logprobs
     echoed = scored = None
     if body.echo and body.logprobs is not None and entries is not None:
-        echoed = echo_logprobs(out.prompt_token_ids, entries, state.token_text, body.logprobs)
+        echoed = echo_logprobs(out.prompt_token_ids, entries, token_text, body.logprobs)
     if body.prompt_logprobs is not None and entries is not None:
-        scored = prompt_logprobs(entries, state.token_text, body.prompt_logprobs)
+        scored = prompt_logprobs(entries, token_text, body.prompt_logprobs)
     return echoed, scored
 
 
@@ -77,7 +86,7 @@ async def _stream(body: CompletionRequest, state: ServerState, stream: RequestSt
             i = stream.index(out.request_id)
             if echoes and i not in echoed:  # with its first output: its prompt logprobs are in it
                 echoed.add(i)
-                logprobs = _prompt_part(body, state, out)[0]
+                logprobs = _prompt_part(body, state.token_text, out)[0]
                 for j in range(body.n):
                     offsets[i * body.n + j] = len(echoes[i])
                     yield _chunk(response_id, state, i * body.n + j, Piece(echoes[i], None, None, None), logprobs)

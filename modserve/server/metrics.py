@@ -162,7 +162,8 @@ class ServerMetrics:
         self.e2e = Histogram("modserve_e2e_request_latency_seconds", "Arrival to last token",
                              buckets=_LATENCY_BUCKETS, registry=self.registry)
         self.finished = Counter("modserve_requests_finished", "Requests ended, by finish reason "
-                                "(stop, length, abort, error); per sample when n > 1",
+                                "(stop, length, abort, error; stalled: a stream its client did not read "
+                                "for stream_stall_timeout); per sample when n > 1",
                                 ["finish_reason"], registry=self.registry)
 
     def request_finished(self, output: RequestOutput) -> None:

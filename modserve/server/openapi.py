@@ -69,7 +69,8 @@ def _protected(path: str, op: Operation) -> bool:
 
 # status -> (description, which operations can return it).
 _ERRORS: dict[int, tuple[str, Callable[[str, Operation], bool]]] = {
-    400: ("Invalid request: a bad or unknown field, or malformed JSON", _has_body),
+    # Any route: modserve.server.http_hygiene refuses ambiguous headers before routing.
+    400: ("Invalid request: a bad or unknown field, malformed JSON, or ambiguous headers", _always),
     401: ("Missing or wrong API key (only when the server has one)", _protected),
     404: ("The model named is not the one served", _names_model),
     # modserve.server.limits reads every request's body, whatever the route, before routing.

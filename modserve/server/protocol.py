@@ -1,8 +1,9 @@
 """Request and response bodies in OpenAI's shapes, plus vLLM's sampling extras.
 
 Requests reject unknown fields (as OpenAI does) so a misspelled or unsupported
-option is a 400 naming it, never silently ignored. ``None`` means "the default"
-everywhere, because clients send explicit nulls.
+option is a 400 naming it, never silently ignored. Their types are strict, as OpenAI's
+are: ``"3"`` is no number, ``1`` no bool, ``3.0`` no integer (a float field still takes
+an integer). ``None`` means "the default" everywhere, because clients send explicit nulls.
 """
 
 from __future__ import annotations
@@ -19,11 +20,12 @@ from modserve.server.structured_outputs import ConstraintFields
 _omit_none = dict(exclude_if=lambda v: v is None)
 Int64 = Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX)]
 TokenId = Annotated[int, Field(ge=0, le=INT64_MAX)]
-MAX_PROMPT_LOGPROBS = 20
+# How many logprobs per token: bounded by the server's max_logprobs (request_limits.py).
+NumLogprobs = Annotated[int, Field(ge=0)]
 
 
 class Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, strict=True)
 
 
 def lone_surrogate(value: Any, path: str = "") -> tuple[str, int] | None:
@@ -77,7 +79,7 @@ class SamplingRequest(TextChecked, ConstraintFields):
     n: int = Field(1, ge=1, le=128)
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
-    stop: str | list[str] | None = None
+    stop: str | list[str] | None = None  # an empty string is refused by SamplingParams, as in vLLM
     seed: Int64 | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -95,8 +97,7 @@ class SamplingRequest(TextChecked, ConstraintFields):
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     priority: Int64 = 0  # lower runs first under the priority scheduler; others ignore it
-    # Each prompt token's logprob and the top N there; the cap is vLLM's default max_logprobs.
-    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_PROMPT_LOGPROBS)
+    prompt_logprobs: NumLogprobs | None = None  # each prompt token's logprob and the top N there
 
     def check(self) -> None:
         """Checks across fields; each names the field at fault."""
@@ -107,6 +108,10 @@ class SamplingRequest(TextChecked, ConstraintFields):
         if self.prompt_logprobs is not None and self.stream:
             raise invalid("prompt_logprobs", "not available when stream is true (as in vLLM)")
         self.check_constraint()
+        if self.min_tokens and self.constraint_param is not None:
+            # A constraint ends the output where its grammar does, which may come before min_tokens.
+            raise invalid("min_tokens", f"cannot be combined with {self.constraint_param}: the constraint "
+                          "decides where the output ends")
 
     @property
     def include_usage(self) -> bool:
@@ -142,7 +147,7 @@ class CompletionRequest(SamplingRequest):
     prompt: Any
     max_tokens: int | None = Field(16, ge=0, le=INT64_MAX)  # 0: with echo, only the prompt is scored
     echo: bool = False
-    logprobs: int | None = Field(None, ge=0, le=5)
+    logprobs: NumLogprobs | None = None
     suffix: str | None = None
     best_of: int | None = None
 
@@ -206,7 +211,7 @@ class ChatCompletionRequest(SamplingRequest):
     max_tokens: int | None = Field(None, ge=1, le=INT64_MAX)
     max_completion_tokens: int | None = Field(None, ge=1, le=INT64_MAX)
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=20)
+    top_logprobs: NumLogprobs | None = None
     add_generation_prompt: bool = True
 
     def check(self) -> None:

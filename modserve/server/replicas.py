@@ -29,7 +29,6 @@ from typing import Any, Callable, Literal, Mapping, Sequence
 
 from modserve.core.config import EngineConfig
 from modserve.core.engine import LLMEngine
-from modserve.core.outputs import RequestOutput
 from modserve.core.sampling_params import SamplingParams
 from modserve.server.async_engine import AsyncEngine, EngineDead, EngineError, RequestObserver, RequestStream
 
@@ -297,20 +296,23 @@ class ReplicaSet:
         if len(groups) <= 1:
             replica = next(iter(groups), min(loads))
             return self.replicas[replica].submit(prompts, params, arrival_time, priority)
-        parts: list[tuple[list[int], RequestStream]] = []
+        ids = [""] * len(prompts)
+        for replica, positions in groups.items():
+            for pos, rid in zip(positions, self.replicas[replica].new_request_ids(len(positions))):
+                ids[pos] = rid
+        stream = SplitStream(self, ids, self.replicas[0].stall_timeout)
         try:
             for replica, positions in groups.items():
-                sub = self.replicas[replica].submit([prompts[p] for p in positions], params, arrival_time, priority)
-                parts.append((positions, sub))
+                self.replicas[replica].add(stream, [ids[p] for p in positions], [prompts[p] for p in positions],
+                                           params, arrival_time, priority)
         except BaseException:
-            for _, sub in parts:
-                sub.close()
+            stream.close()
             raise
-        return SplitStream(parts, len(prompts))
+        return stream
 
-    def abort(self, request_id: str) -> None:
+    def abort(self, request_id: str, reason: str = "abort") -> None:
         for r in self.replicas:  # ids are unique across replicas: only the holder acts
-            r.abort(request_id)
+            r.abort(request_id, reason)
 
     def cancel_all(self, error: EngineError) -> None:
         for r in self.replicas:
@@ -343,64 +345,8 @@ def sum_stats(per: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     return total
 
 
-_DONE = object()
-
-
-class SplitStream:
-    """One request's prompts running on several replicas, read as one RequestStream: the same
-    ``request_ids`` (in prompt order), ``index``, iteration and ``close``. An error from any
-    part ends the whole stream and aborts the rest, as it does in a RequestStream."""
-
-    def __init__(self, parts: list[tuple[list[int], RequestStream]], num_prompts: int) -> None:
-        ids: list[str | None] = [None] * num_prompts
-        for positions, sub in parts:
-            for pos, rid in zip(positions, sub.request_ids):
-                ids[pos] = rid
-        self.request_ids: list[str] = [rid for rid in ids if rid is not None]
-        self._position = {rid: i for i, rid in enumerate(self.request_ids)}
-        self._parts = [sub for _, sub in parts]
-        self._queue: asyncio.Queue = asyncio.Queue()
-        self._live = len(parts)
-        self._closed = False
-        self._pumps = [asyncio.ensure_future(self._pump(sub)) for sub in self._parts]
-
-    async def _pump(self, sub: RequestStream) -> None:
-        try:
-            async for out in sub:
-                self._queue.put_nowait(out)
-        except asyncio.CancelledError:
-            raise
-        except BaseException as e:  # noqa: BLE001 - handed to the reader, raised there
-            self._queue.put_nowait(e)
-        finally:
-            self._queue.put_nowait(_DONE)
-
-    def index(self, request_id: str) -> int:
-        return self._position[request_id]
-
-    def __aiter__(self) -> "SplitStream":
-        return self
-
-    async def __anext__(self) -> RequestOutput:
-        while True:
-            if self._closed:
-                raise StopAsyncIteration
-            if not self._live and self._queue.empty():
-                raise StopAsyncIteration
-            item = await self._queue.get()
-            if item is _DONE:
-                self._live -= 1
-                continue
-            if isinstance(item, BaseException):
-                self.close()
-                raise item
-            return item
-
-    def close(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        for pump in self._pumps:
-            pump.cancel()
-        for sub in self._parts:
-            sub.close()
+class SplitStream(RequestStream):
+    """One request's prompts running on several replicas, read as one RequestStream: each
+    replica puts its requests' outputs to it, and it ends them through the ReplicaSet (the
+    holder of each id aborts it). An error from any part ends the whole stream and aborts
+    the rest, as in any RequestStream."""

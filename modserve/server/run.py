@@ -87,13 +87,16 @@ class Server(uvicorn.Server):
             drain.cancel()
 
     async def _drain(self) -> None:
-        engine = self.state.engine
+        engine, state = self.state.engine, self.state
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.shutdown_timeout
         if engine.num_in_flight:
             logger.info("draining %d requests (shutdown_timeout=%g s)", engine.num_in_flight, self.shutdown_timeout)
-        while engine.num_in_flight and loop.time() < deadline:
+        while (engine.num_in_flight or state.compiles_in_flight) and loop.time() < deadline:
             await asyncio.sleep(0.05)
+        if state.compiles_in_flight:  # a compile may run far past the deadline: its worker is killed
+            logger.warning("shutdown_timeout reached: stopping %d grammar compiles", state.compiles_in_flight)
+            await asyncio.to_thread(state.stop_compiles)
         if engine.num_in_flight:
             logger.warning("shutdown_timeout reached: ending %d requests with an error", engine.num_in_flight)
             engine.cancel_all(ShuttingDown("shutdown_timeout reached"))

@@ -6,22 +6,30 @@ import asyncio
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any, AsyncIterator, Callable, Iterator
 
+import pydantic_core
 from fastapi import Request
+from fastapi.responses import Response, StreamingResponse
 from pydantic import BaseModel
 
 from modserve.core.outputs import CompletionOutput, RequestOutput
 from modserve.core.sampling_params import SamplingParams
 from modserve.server.chat_tokenizer import ChatTokenizer
-from modserve.core.grammar import timeout_message
+from modserve.core.grammar import START_TIMEOUT_S, CompilerClosed, timeout_message
 from modserve.server.async_engine import (DEAD_MESSAGE, AsyncEngine, EngineDead, EngineError, EngineStopped,
-                                          PluginFailed, RequestStream, ShuttingDown)
+                                          PluginFailed, RequestStream, ShuttingDown, StreamStalled)
 from modserve.server.errors import APIError, invalid
+from modserve.server.grammar_bounds import GrammarBounds, check_bounds
+from modserve.server.logprobs import TokenText
 from modserve.server.replicas import ReplicaSet, SplitStream
+from modserve.server.request_limits import RequestLimits
+from modserve.server.response_size import ResponseBound
 from modserve.server.tokenizer_pool import TokenizerPool
 
 SSE_DONE = "data: [DONE]\n\n"
+# A large non-streamed answer goes out in pieces of this size (see ServerState.json_response).
+BODY_PIECE = 2**20
 
 
 def sse(payload: BaseModel | dict[str, Any]) -> str:
@@ -45,13 +53,16 @@ class ServerState:
 
     engine: AsyncEngine | ReplicaSet  # a ReplicaSet: data-parallel replicas behind the same interface
     # NOTE: the server's own tokenizer, used on the event-loop thread only and for short
-    # work (one token's text); prompts are tokenized on the pool's threads.
+    # work (one token's text); prompts are tokenized, and whole answers built, on the pool's threads.
     tokenizer: ChatTokenizer
     pool: TokenizerPool
     model_name: str
     max_model_len: int
     max_waiting_requests: int
     grammar_timeout: float
+    limits: RequestLimits
+    max_response_bytes: int
+    grammar_bounds: GrammarBounds | None = None  # None: no constraint is measured before it compiles
     allow_special_tokens_in_content: bool = False
     model_aliases: tuple[str, ...] = ()  # more names requests may use (served_model_name's others)
     draining: bool = False  # set on SIGTERM: new requests get 503, those in flight finish
@@ -59,9 +70,13 @@ class ServerState:
     # No token is longer than this many characters: a text over max_model_len times it
     # cannot fit, and is refused before it is tokenized.
     max_token_chars: int = 0
+    compiles_in_flight: int = 0  # requests waiting for their constraint to compile
+    response_bound: ResponseBound = field(init=False)  # a non-streamed response's size, before it runs
 
     def __post_init__(self) -> None:
-        self.max_token_chars = max(len(t) for t in self.tokenizer.hf.get_vocab())
+        vocab = self.tokenizer.hf.get_vocab()
+        self.max_token_chars = max(len(t) for t in vocab)
+        self.response_bound = ResponseBound.of(self.max_response_bytes, vocab)
 
     def check_model(self, name: str | None) -> None:
         if name is not None and name != self.model_name and name not in self.model_aliases:
@@ -102,6 +117,14 @@ class ServerState:
             field_name, _, why = str(e).partition(" ")
             raise invalid(field_name, why) from None
 
+    def check_min_tokens(self, params: SamplingParams, prompt_len: int, param: str) -> None:
+        """min_tokens against the context this prompt leaves: with max_tokens null the only cap
+        (SamplingParams holds it to max_tokens when one is given), for chat and completions alike."""
+        room = self.max_model_len - prompt_len
+        if params.min_tokens > room:
+            raise invalid("min_tokens", f"is {params.min_tokens}, more than the {room} tokens the {param} leaves "
+                          f"of max_model_len={self.max_model_len}")
+
     def check_batch(self, num_prompts: int) -> None:
         """A 400 for more prompts than the queue could ever hold: retrying cannot help."""
         if num_prompts > self.max_waiting_requests:
@@ -131,20 +154,71 @@ class ServerState:
         if params.structured_outputs is None:
             return
         spec = params.structured_outputs.spec()
-        grammar = self.engine.engine.grammar.submit(spec)  # thread-safe
+        if self.grammar_bounds is not None:
+            try:  # off the event loop: measuring a schema of 1 MB takes ~0.1 s
+                await asyncio.to_thread(check_bounds, spec, self.grammar_bounds)
+            except ValueError as e:
+                raise invalid(param, str(e)) from None
+        self.compiles_in_flight += 1  # the drain on SIGTERM waits for them too
         try:
-            # shield: a timed-out wait must not cancel the shared (cached) compile
-            await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(grammar)), self.grammar_timeout)
+            grammar = self.engine.engine.grammar.submit(spec)  # thread-safe
+            # The compiler ends the Future by the timeout itself, killing the compile (its worker's
+            # start-up not counted): this bound is a backstop. shield: a client that leaves must
+            # not cancel a compile that other requests share.
+            await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(grammar)),
+                                   self.grammar_timeout + START_TIMEOUT_S)
         except TimeoutError:
             raise invalid(param, timeout_message(spec, self.grammar_timeout)) from None
         except ValueError as e:
             raise invalid(param, str(e)) from None
+        except CompilerClosed:  # the drain's deadline stopped it
+            raise APIError(503, "The server is shutting down and this request's constraint did not compile "
+                           "within shutdown_timeout. Retry it on another replica.", type="server_error",
+                           code="server_shutting_down") from None
+        finally:
+            self.compiles_in_flight -= 1
+
+    def stop_compiles(self) -> None:
+        """Kill the grammar compiles requests wait for (the drain's deadline)."""
+        self.engine.engine.grammar.close()
 
     def token_text(self, token_id: int) -> str:
         text = self.token_strings.get(token_id)
         if text is None:
             text = self.token_strings[token_id] = self.tokenizer.decode([token_id], skip_special_tokens=False)
         return text
+
+    def token_texts(self, tokenizer: ChatTokenizer) -> TokenText:
+        """``token_text`` for another thread: the same cache, what it lacks decoded by ``tokenizer``
+        (that thread's own; the server's is the event loop's)."""
+        cache = self.token_strings
+
+        def text(token_id: int) -> str:
+            found = cache.get(token_id)
+            if found is None:
+                found = cache[token_id] = tokenizer.decode([token_id], skip_special_tokens=False)
+            return found
+
+        return text
+
+    async def json_response(self, build: Callable[[TokenText], BaseModel]) -> Response:
+        """The JSON of ``build(token_text)``, built and encoded on a tokenizer-pool thread, sent
+        in pieces of BODY_PIECE bytes.
+
+        NOTE: an answer of many MB takes a second or more to build and encode; on the event
+        loop that would stall /health and every stream (pydantic's encoder, unlike a long
+        json.dumps, lets the loop run meanwhile). Sent whole, it would be copied at once into
+        the connection's buffer, on the loop; in pieces, each waits for the client to read."""
+        body = await self.pool.run(lambda tok: pydantic_core.to_json(build(self.token_texts(tok))))
+        if len(body) <= BODY_PIECE:
+            return Response(body, media_type="application/json")
+
+        async def pieces() -> AsyncIterator[memoryview]:
+            view = memoryview(body)
+            for start in range(0, len(body), BODY_PIECE):
+                yield view[start:start + BODY_PIECE]
+
+        return StreamingResponse(pieces(), media_type="application/json", headers={"Content-Length": str(len(body))})
 
 
 async def final_outputs(stream: RequestStream | SplitStream, request: Request) -> list[RequestOutput]:
@@ -170,6 +244,8 @@ def engine_api_error(e: EngineError) -> APIError:
     if isinstance(e, EngineStopped):
         return APIError(503, f"This request did not finish: {DEAD_MESSAGE}. Retry it on another replica.",
                         type="server_error", code="engine_dead")
+    if isinstance(e, StreamStalled):
+        return APIError(408, str(e), code="stream_stalled")
     if isinstance(e, ShuttingDown):
         return APIError(503, "The server is shutting down and this request did not finish within "
                         "shutdown_timeout. Retry it on another replica.", type="server_error",

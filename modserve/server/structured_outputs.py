@@ -17,7 +17,7 @@ from modserve.server.errors import invalid
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", populate_by_name=True, allow_inf_nan=False)
+    model_config = ConfigDict(extra="forbid", populate_by_name=True, allow_inf_nan=False, strict=True)
 
 
 class StructuredOutputsParams(_Strict):
@@ -77,6 +77,8 @@ class ConstraintFields(_Strict):
                 self._constraint = (param, StructuredOutputs(**fields))
             except ValueError as e:
                 raise invalid(param, str(e)) from None
+            except Exception as e:  # any parser of client input: a 400 naming the field, never a 500
+                raise invalid(param, f"could not be read ({type(e).__name__})") from None
 
     @property
     def constraint(self) -> StructuredOutputs | None:

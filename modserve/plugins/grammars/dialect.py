@@ -4,6 +4,10 @@ r"""Where a backend reads a spec differently from what users mean, rewritten to 
   writes it); xgrammar's parser wants the empty string spelled out (``ws ::= "" | " "``).
 - A regex ``.`` in xgrammar matches any character, newline included; in Python,
   Rust (outlines-core) and ECMAScript it does not. It becomes ``[^\n]``.
+- xgrammar reads ``\\A`` and ``\\Z`` as the letters A and Z and drops ``^`` and ``$``
+  wherever they stand (``a$b`` matches ``ab``). A regex is matched against the whole
+  output, so ``^`` first and ``$`` last mean nothing; elsewhere, and ``\\A``, ``\\Z``,
+  ``\\z``, ``\\b``, ``\\B``, ``\\G``, they are refused (see ``anchor``).
 - outlines-core's Rust regex reads ``\d`` and ``\w`` as Unicode classes (``٨`` is a
   digit); JSON Schema patterns are ECMAScript, where they are ASCII, as in xgrammar.
   They become ``[0-9]`` and ``[0-9A-Za-z_]``.
@@ -74,6 +78,44 @@ def _regex_pieces(regex: str) -> Iterator[tuple[str, bool]]:
             continue
         yield c, in_class
         i += 1
+
+
+_ANCHOR_ESCAPES = ("\\A", "\\Z", "\\z", "\\b", "\\B", "\\G")
+
+
+def anchor(regex: str) -> str | None:
+    """The first anchor of ``regex`` that a backend matching the whole output would misread:
+    any ``\\A``, ``\\Z``, ``\\b`` ..., a ``^`` after the first character, a ``$`` before
+    the last (outside character classes; ``^(a|b)$`` is fine). None if there is none."""
+    pieces = list(_regex_pieces(regex))
+    for i, (piece, inside) in enumerate(pieces):
+        if inside:
+            continue
+        if piece in _ANCHOR_ESCAPES:
+            return piece
+        if (piece == "^" and i > 0) or (piece == "$" and i < len(pieces) - 1):
+            return piece
+    return None
+
+
+_COMPLEMENTS = (("\\s", "\\S"), ("\\d", "\\D"), ("\\w", "\\W"))
+
+
+def empty_class(regex: str) -> str | None:
+    """The first negated character class of ``regex`` that excludes every character
+    (``[^\\s\\S]``: a class and its complement), which no text can match; None if none."""
+    members: list[str] | None = None  # the pieces of the class being read
+    for piece, inside in _regex_pieces(regex):
+        if members is not None and not inside:  # its closing "]"
+            negated = members[:1] == ["^"]
+            if negated and any(a in members and b in members for a, b in _COMPLEMENTS):
+                return "[" + "".join(members) + "]"
+            members = None
+        elif members is not None:
+            members.append(piece)
+        if not inside and piece.startswith("["):
+            members = ["^"] if piece.startswith("[^") else []
+    return None
 
 
 def dot_excludes_newline(regex: str) -> str:

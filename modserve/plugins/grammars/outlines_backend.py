@@ -17,7 +17,8 @@ from pydantic import BaseModel, ConfigDict, Field
 from modserve.api import GrammarBackend, GrammarMatcher, GrammarSpec, GrammarVocab
 from modserve.plugins.grammars.bits import set_bit
 from modserve.plugins.grammars.dialect import ascii_classes
-from modserve.plugins.grammars.schema_gate import unenforced
+from modserve.plugins.grammars.expansion import regex_shape
+from modserve.plugins.grammars.schema_gate import unenforced, unmet
 
 _REGEX_META = set("\\.+*?()|[]{}^$")
 # Accepted by outlines-core 0.2 but not enforced (oneOf: when branches may overlap; allOf, which it
@@ -36,6 +37,13 @@ class OutlinesOptions(BaseModel):
     refuse_unenforced: bool = Field(
         True, description="JSON: refuse schemas using keywords the library would not enforce (see "
         "docs/guided-decoding.md); off compiles them anyway, and outputs may then fail validation")
+    max_positions: int = Field(
+        8192, ge=1, description="Refuse a regex (a schema's or choice list's too) that expands to more DFA "
+        "positions than this (counted repetitions multiplied out, a character class as 8): the DFA's "
+        "size, and its compile time and memory, grow with it")
+    max_variable_count: int = Field(
+        8, ge=1, description="Refuse a counted repetition over a part of varying width with a larger count "
+        "((a|bc){20}, a JSON string's maxLength): its DFA grows exponentially with the count")
 
 
 class OutlinesBackend(GrammarBackend):
@@ -59,6 +67,13 @@ class OutlinesBackend(GrammarBackend):
 
     def compile(self, spec: GrammarSpec) -> Any:
         regex = ascii_classes(self.regex(spec))
+        shape, opts = regex_shape(regex), self.options
+        if shape.size > opts.max_positions:
+            raise ValueError(f"the regex expands to about {shape.size} DFA positions, over "
+                             f"max_positions={opts.max_positions}")
+        if shape.variable_count > opts.max_variable_count:
+            raise ValueError(f"the regex repeats a part of varying width {shape.variable_count} times, over "
+                             f"max_variable_count={opts.max_variable_count}")
         try:
             return self.oc.Index(regex, self.vocabulary)
         except (ValueError, RuntimeError) as e:
@@ -69,6 +84,8 @@ class OutlinesBackend(GrammarBackend):
             return spec.value
         if spec.kind == "choice":
             return "(" + "|".join(regex_literal(c) for c in spec.value) + ")"
+        if problem := unmet(json.loads(spec.value)):
+            raise ValueError(f"cannot meet {problem}")
         # NOTE: for {} as a member, outlines-core writes an ungrouped alternation: `{1}` then matches.
         skipped = self.options.refuse_unenforced and unenforced(json.loads(spec.value), SKIPPED_KEYWORDS,
                                                                 type_from_keywords=True, empty_members=True)

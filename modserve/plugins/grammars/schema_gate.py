@@ -14,6 +14,8 @@ from __future__ import annotations
 import json
 from typing import Any, Iterator
 
+from modserve.plugins.grammars.dialect import empty_class
+
 # Where keywords hold sub-schemas; every other keyword's value is data (enum, const, default, ...).
 _ONE = ("additionalProperties", "items", "contains", "not", "if", "then", "else", "propertyNames",
         "unevaluatedProperties", "unevaluatedItems", "additionalItems")
@@ -85,6 +87,27 @@ def unenforced(schema: Any, keywords: frozenset[str], formats: frozenset[str] = 
             if key == "allOf" and isinstance(value, list) and len(value) == 1:
                 continue
             return f"{key!r} at {path}"
+    return None
+
+
+def unmet(schema: Any) -> str | None:
+    """The first part of ``schema`` no output could satisfy as the backends build it, as
+    "what at path"; None if none. An empty ``enum`` or ``anyOf`` matches nothing (both
+    libraries then allow the empty text, which is not JSON), as does a ``pattern`` with a
+    class no character is in; a ``required`` name missing
+    from ``properties`` is dropped by both (they only write the properties a schema lists)."""
+    for path, node in _schemas(schema, "#"):
+        for key in ("enum", "anyOf", "oneOf", "allOf"):
+            if node.get(key) == []:
+                return f"an empty {key!r} (nothing can match it) at {path}"
+        if isinstance(node.get("pattern"), str) and (never := empty_class(node["pattern"])):
+            return f"a 'pattern' whose class {never} matches no character, at {path}"
+        required = node.get("required")
+        if isinstance(required, list) and required:
+            listed = node.get("properties") if isinstance(node.get("properties"), dict) else {}
+            missing = [name for name in required if name not in listed]
+            if missing:
+                return f"required {missing[0]!r}, which 'properties' does not list, at {path}"
     return None
 
 

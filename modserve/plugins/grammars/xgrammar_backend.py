@@ -12,8 +12,9 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from modserve.api import GrammarBackend, GrammarMatcher, GrammarSpec, GrammarVocab
 from modserve.plugins.grammars.byte_guard import ByteGuard
-from modserve.plugins.grammars.dialect import dot_excludes_newline, fill_empty_alternatives
-from modserve.plugins.grammars.schema_gate import unenforced
+from modserve.plugins.grammars.dialect import (anchor, dot_excludes_newline, empty_class,
+                                                fill_empty_alternatives)
+from modserve.plugins.grammars.schema_gate import unenforced, unmet
 
 # xgrammar's C++ errors start with "[hh:mm:ss] /path/file.cc:123: ".
 _CPP_PREFIX = re.compile(r"^\s*\[[\d:]+\]\s+\S+:\d+:\s*")
@@ -54,23 +55,38 @@ class XGrammarBackend(GrammarBackend):
         self.xgr = xgr
         # Bytes per token (empty = special: never inside a grammar), as the core computed them.
         encoded = [b or b"" for b in vocab.token_bytes]
-        info = xgr.TokenizerInfo(encoded, xgr.VocabType.RAW, vocab_size=vocab.vocab_size,
-                                 stop_token_ids=list(vocab.eos_token_ids))
+        self.info = xgr.TokenizerInfo(encoded, xgr.VocabType.RAW, vocab_size=vocab.vocab_size,
+                                      stop_token_ids=list(vocab.eos_token_ids))
         # NOTE: xgrammar's own cache is off: the core's cache is the one place a grammar is kept.
-        self.compiler = xgr.GrammarCompiler(info, max_threads=self.options.max_threads, cache_enabled=False)
+        self.compiler = xgr.GrammarCompiler(self.info, max_threads=self.options.max_threads, cache_enabled=False)
         self.text_guard = ByteGuard(vocab, json=False)
         self.json_guard = ByteGuard(vocab, json=True)
 
     def compile(self, spec: GrammarSpec) -> _Compiled:
-        if spec.kind == "json" and self.options.refuse_unenforced:
-            skipped = unenforced(json.loads(spec.value), SKIPPED_KEYWORDS, SKIPPED_FORMATS, SKIPPED_PAIRS,
-                                 pointer_refs_only=True)
+        if spec.kind == "json":
+            schema = json.loads(spec.value)
+            if problem := unmet(schema):
+                raise ValueError(f"cannot meet {problem}")
+            skipped = self.options.refuse_unenforced and unenforced(
+                schema, SKIPPED_KEYWORDS, SKIPPED_FORMATS, SKIPPED_PAIRS, pointer_refs_only=True)
             if skipped:
                 raise ValueError(f"does not enforce {skipped}")
+        if spec.kind == "regex" and (found := empty_class(spec.value)):
+            raise ValueError(f"the character class {found} matches no character: no text matches the regex")
+        if spec.kind == "regex" and (found := anchor(spec.value)):
+            raise ValueError(f"does not support the anchor {found} inside a regex (the regex matches the "
+                             "whole output: '^' may only come first and '$' last)")
         try:
             grammar = self._compile(spec)
         except (RuntimeError, ValueError, TypeError) as e:
             raise ValueError(_CPP_PREFIX.sub("", str(e)).strip()) from None
+        # A grammar whose first step allows nothing matches no text at all ("[^\\s\\S]"): refused
+        # here, where the request can still get a 400, rather than ended mid-way.
+        matcher = self.xgr.GrammarMatcher(grammar)
+        first = self.xgr.allocate_token_bitmask(1, self.vocab.vocab_size)
+        matcher.fill_next_token_bitmask(first)
+        if not matcher.is_terminated() and not first.any():
+            raise ValueError(f"the {spec.kind} constraint matches no text")
         return _Compiled(grammar, self.json_guard if spec.kind in ("json", "json_object") else self.text_guard)
 
     def _compile(self, spec: GrammarSpec) -> Any:
@@ -87,6 +103,15 @@ class XGrammarBackend(GrammarBackend):
             return c.compile_grammar(fill_empty_alternatives(spec.value))
         # No "::=" rule: Lark syntax (a ``start`` rule, %import common.*), which xgrammar also reads.
         return c.compile_grammar(self.xgr.Grammar.from_lark(spec.value))
+
+    def serialize(self, compiled: _Compiled) -> bytes:
+        # xgrammar's CompiledGrammar does not pickle; the guard is rebuilt from this backend's own.
+        head = b"J" if compiled.guard is self.json_guard else b"T"
+        return head + compiled.grammar.serialize_json().encode()
+
+    def deserialize(self, data: bytes) -> _Compiled:
+        grammar = self.xgr.CompiledGrammar.deserialize_json(data[1:].decode(), self.info)
+        return _Compiled(grammar, self.json_guard if data[:1] == b"J" else self.text_guard)
 
     def matcher(self, compiled: _Compiled, max_rollback: int) -> GrammarMatcher:
         # xgrammar's matchers roll back any number of tokens (max_rollback_tokens is deprecated).

@@ -117,6 +117,35 @@ def test_reset_returns_to_the_start(implementation: Implementation, backend: Gra
     assert allowed(m) == start and not m.is_terminated(), "reset after EOS must return to the start"
 
 
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_deserialized_grammar_makes_the_same_matcher(implementation: Implementation, backend: GrammarBackend,
+                                                      kind: str) -> None:
+    """``serialize`` gives bytes, and another instance's ``deserialize`` of them (a compile worker
+    process hands its result to the engine's process so) makes a matcher that allows at every
+    step what the original's does."""
+    if kind not in backend.kinds:
+        pytest.skip(f"{type(backend).__name__} does not take {kind} constraints (kinds: {sorted(backend.kinds)})")
+    case = CASES[kind]
+    compiled = backend.compile(case.spec)
+    try:
+        data = backend.serialize(compiled)
+    except Exception as e:  # noqa: BLE001 - which exception is the point
+        pytest.fail(f"serialize(compile({case.spec.describe()})) raised {type(e).__name__}: {e}; a compiled "
+                    "grammar that does not pickle needs serialize and deserialize of the backend's own")
+    assert isinstance(data, bytes), f"serialize returned {type(data).__name__}; expected bytes"
+    original = backend.matcher(compiled, 8)
+    restored = backend.matcher(implementation.create(VOCAB).deserialize(data), 8)
+    text = b""
+    for token in (*case.walk, None):
+        assert allowed(restored) == allowed(original), (
+            f"{case.spec.describe()}: after {text!r} the deserialized grammar's matcher allows "
+            f"{spell(allowed(restored))}, the original's {spell(allowed(original))}")
+        if token is not None:
+            accept(original, token, text)
+            accept(restored, token, text)
+            text += token
+
+
 def test_compile_refuses_an_invalid_regex_with_value_error(implementation: Implementation,
                                                           backend: GrammarBackend) -> None:
     """``compile`` raises ValueError (its message reaches the user) for a spec it cannot compile."""

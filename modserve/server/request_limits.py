@@ -1,0 +1,63 @@
+"""Bounds on what one request may ask for, beyond each field's own range.
+
+Each field can be within its range while the request as a whole is not: 1024 prompts
+times ``n`` 128 start 131,072 sequences, and 20,000 stop strings are each scanned on
+every generated token of every sequence. These checks run before anything is
+tokenized or queued, and each 400 names the config key that bounds it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from modserve.server.errors import invalid
+
+if TYPE_CHECKING:
+    from modserve.core.config import EngineConfig
+    from modserve.server.protocol import SamplingRequest
+
+# The request fields that ask for N logprobs per token (chat's ``logprobs`` is a bool).
+LOGPROB_FIELDS = ("logprobs", "top_logprobs", "prompt_logprobs")
+# max_sequences_per_request's default, in batches of max_num_seqs: an eval harness's batch of
+# prompts still fits one request, and no request holds the engine for more than a few rounds.
+DEFAULT_BATCHES_PER_REQUEST = 8
+
+
+@dataclass(frozen=True, slots=True)
+class RequestLimits:
+    max_sequences_per_request: int
+    max_stop_strings: int
+    max_stop_chars: int
+    max_stop_token_ids: int
+    max_logprobs: int
+
+    @classmethod
+    def of(cls, config: EngineConfig) -> RequestLimits:
+        return cls(
+            max_sequences_per_request=config.max_sequences_per_request
+            or DEFAULT_BATCHES_PER_REQUEST * config.max_num_seqs,
+            max_stop_strings=config.max_stop_strings, max_stop_chars=config.max_stop_chars,
+            max_stop_token_ids=config.max_stop_token_ids, max_logprobs=config.max_logprobs)
+
+    def check(self, body: SamplingRequest, num_prompts: int) -> None:
+        """A 400 naming the field and the limit for the first bound ``body`` is over."""
+        sequences = num_prompts * body.n
+        if sequences > self.max_sequences_per_request:
+            raise invalid("n" if body.n > 1 else "prompt",
+                          f"{num_prompts} prompts x n={body.n} is {sequences} sequences, over "
+                          f"max_sequences_per_request={self.max_sequences_per_request}")
+        stops = [body.stop] if isinstance(body.stop, str) else body.stop or []
+        if len(stops) > self.max_stop_strings:
+            raise invalid("stop", f"holds {len(stops)} strings, over max_stop_strings={self.max_stop_strings}")
+        chars = sum(map(len, stops))
+        if chars > self.max_stop_chars:
+            raise invalid("stop", f"is {chars} characters in all, over max_stop_chars={self.max_stop_chars}")
+        ids = body.stop_token_ids or []
+        if len(ids) > self.max_stop_token_ids:
+            raise invalid("stop_token_ids", f"holds {len(ids)} token ids, over max_stop_token_ids="
+                          f"{self.max_stop_token_ids}")
+        for name in LOGPROB_FIELDS:
+            value = getattr(body, name, None)
+            if type(value) is int and value > self.max_logprobs:
+                raise invalid(name, f"asks for {value} logprobs per token, over max_logprobs={self.max_logprobs}")
