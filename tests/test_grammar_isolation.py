@@ -22,6 +22,7 @@ from modserve.core.registry import PluginError, Registry
 from modserve.core.structured_outputs import GrammarSpec, StructuredOutputs
 from processes import alive, descendants, wait_until
 from server_process import launch, stop, wait_healthy
+from slow_grammars import deep_schema
 
 EOS = 2
 QUICK = GrammarSpec("regex", "quick")
@@ -114,7 +115,7 @@ def test_xgrammar_past_the_memory_cap_is_refused_too(compiler):
     """xgrammar's C++ allocations fail as std::bad_alloc at the cap (a RuntimeError, not MemoryError)."""
     gc = compiler("xgrammar", num_workers=1, memory_mb=128)
     with pytest.raises(ValueError, match=r"ran out of memory \(grammar_compile_memory_mb=128"):
-        gc.compile(StructuredOutputs(json=_deep_schema(8)).spec(), timeout=60)  # its grammar: ~300 MB
+        gc.compile(StructuredOutputs(json=deep_schema(8)).spec(), timeout=60)  # its grammar: ~300 MB
 
 
 def test_two_slow_compiles_hold_a_quick_one_at_most_until_they_are_killed(compiler):
@@ -139,14 +140,6 @@ def test_thread_isolation_still_compiles(compiler):
     assert gc.compile(schema, timeout=60).backend_name == "xgrammar" and not _workers()
 
 
-def _deep_schema(depth: int) -> dict:
-    """A JSON schema whose grammar takes xgrammar long to compile (each level ~3x: 12 took 40 s on 2 busy cores)."""
-    schema: dict = {"type": "string"}
-    for i in range(depth):
-        schema = {"type": "object", "required": [f"k{i}"], "properties": {
-            f"k{i}": schema, f"a{i}": {"anyOf": [{"type": "integer"}, {"type": "array", "items": schema}]}}}
-    return schema
-
 
 def _workers_of(pid: int) -> list[int]:
     return [p for p, cmd in descendants(pid).items() if "grammar_worker" in cmd]
@@ -159,7 +152,7 @@ def test_sigterm_ends_the_server_during_a_long_compile(llama_dir, tmp_path):
                "--max-request-body-bytes", "4000000")
     try:
         wait_healthy(s)
-        body = {"prompt": "x", "max_tokens": 4, "guided_json": _deep_schema(13)}
+        body = {"prompt": "x", "max_tokens": 4, "guided_json": deep_schema(13)}
         with ThreadPoolExecutor(1) as pool:
             pending = pool.submit(httpx.post, f"{s.url}/v1/completions", json=body, timeout=300)
             # the template process and the two workers forked from it

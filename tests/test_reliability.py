@@ -21,6 +21,7 @@ import httpx
 import pytest
 
 from server_process import Server, launch, stop, wait_for, wait_healthy
+from slow_grammars import deep_schema
 
 MODEL = "tiny-llama"
 KEY = "reliability-key"
@@ -32,15 +33,6 @@ GRAMMAR_TIMEOUT = 1.0
 STREAM_PROMPTS = ["The first stream", "A second stream, longer than the first", "third", "4th: a list, of words"]
 GREEDY = dict(temperature=0.0, max_tokens=40, ignore_eos=True)
 DRAIN = 1.5  # the drain server's --shutdown-timeout, seconds
-
-
-def _deep_schema(depth: int) -> dict:
-    """A JSON schema whose grammar takes xgrammar seconds to compile (depth 11: ~5 s here)."""
-    schema: dict = {"type": "string"}
-    for i in range(depth):
-        schema = {"type": "object", "required": [f"k{i}"], "properties": {
-            f"k{i}": schema, f"a{i}": {"anyOf": [{"type": "integer"}, {"type": "array", "items": schema}]}}}
-    return schema
 
 
 @pytest.fixture(scope="module")
@@ -217,7 +209,7 @@ def test_one_large_n_does_not_starve_another_request(server):
 
 
 def test_a_slow_grammar_compile_does_not_delay_other_guided_requests(server):
-    slow = {"prompt": "x", "max_tokens": 4, "guided_json": _deep_schema(11)}
+    slow = {"prompt": "x", "max_tokens": 4, "guided_json": deep_schema(11)}
     quick = {"prompt": "y", "max_tokens": 4, "temperature": 0,
              "guided_json": {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}}
     # The first guided request starts the compile worker processes (seconds): not what is measured.

@@ -12,10 +12,10 @@ from pathlib import Path
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "soak_server.py"
 
 
-def test_soak_leaves_the_server_idle_and_whole(llama_dir, tmp_path):
+def run_soak(llama_dir: str, tmp_path: Path, *flags: str) -> dict:
+    """The script's report, after its own checks passed."""
     report_path, log = tmp_path / "soak.json", tmp_path / "server.log"
-    cmd = [sys.executable, str(SCRIPT), "--model", llama_dir, "--duration", "20", "--concurrency", "16",
-           "--warmup", "3", "--num-threads", "1", "--max-model-len", "256", "--num-kv-blocks", "128",
+    cmd = [sys.executable, str(SCRIPT), "--model", llama_dir, "--num-threads", "1", *flags,
            "--log-file", str(log), "--out", str(report_path)]
     # Generous bounds for a busy 2-core machine: startup, 23 s of load, the drain and the stop
     # take about 35 s alone; the script bounds every phase itself, this only catches a hang.
@@ -25,7 +25,12 @@ def test_soak_leaves_the_server_idle_and_whole(llama_dir, tmp_path):
     assert proc.returncode == 0, context
     report = json.loads(report_path.read_text())
     assert report["ok"] and all(c["ok"] for c in report["checks"]), context
+    return report
 
+
+def test_soak_leaves_the_server_idle_and_whole(llama_dir, tmp_path):
+    report = run_soak(llama_dir, tmp_path, "--duration", "20", "--concurrency", "16", "--warmup", "3",
+                      "--max-model-len", "256", "--num-kv-blocks", "128")
     load, after = report["load"], report["metrics_after"]
     assert load["failures"] == 0 and not load["errors"], load
     assert load["completed"] > 0 and load["disconnected"] > 0, load
@@ -40,18 +45,10 @@ def test_soak_beside_hostile_clients(llama_dir, tmp_path):
     readers and abort storms beside 8 normal clients: every hostile request is refused, served
     within the bounds or cut off by the server, no normal one fails, and the server is idle
     and whole afterwards."""
-    report_path, log = tmp_path / "soak.json", tmp_path / "server.log"
-    cmd = [sys.executable, str(SCRIPT), "--model", llama_dir, "--duration", "10", "--concurrency", "8",
-           "--warmup", "2", "--num-threads", "1", "--max-model-len", "1024", "--num-kv-blocks", "256",
-           "--hostile-workers", "3", "--slow-reader-hold", "6", "--max-victim-slowdown", "10",
-           "--server-arg=--stream-stall-timeout", "--server-arg=1.5",
-           "--log-file", str(log), "--out", str(report_path)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
-    context = f"stdout:\n{proc.stdout[-4000:]}\nstderr:\n{proc.stderr[-4000:]}\n" + (
-        f"server log:\n{log.read_text(errors='replace')[-4000:]}" if log.exists() else "")
-    assert proc.returncode == 0, context
-    report = json.loads(report_path.read_text())
-    assert report["ok"] and all(c["ok"] for c in report["checks"]), context
+    report = run_soak(llama_dir, tmp_path, "--duration", "10", "--concurrency", "8", "--warmup", "2",
+                      "--max-model-len", "1024", "--num-kv-blocks", "256", "--hostile-workers", "3",
+                      "--slow-reader-hold", "6", "--max-victim-slowdown", "10",
+                      "--server-arg=--stream-stall-timeout", "--server-arg=1.5")
     hostile = report["hostile"]["hostile"]
     assert hostile["num_failures"] == 0, hostile
     assert hostile["refused"].get("grammar_bomb", 0) > 0 and hostile["refused"].get("many_stops", 0) > 0, hostile
