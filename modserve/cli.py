@@ -170,10 +170,11 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
         if key not in data:
             continue
         value = data.pop(key)
-        if not hasattr(args, key):
+        dest = key if hasattr(args, key) else f"vllm_{key}"  # vLLM's flags (disable_uvicorn_access_log)
+        if not hasattr(args, dest):
             logger.warning("config key %s is a setting of `modserve serve`; ignored here", key)
-        elif getattr(args, key) is None:
-            setattr(args, key, value)
+        elif getattr(args, dest) is None:
+            setattr(args, dest, value)
     config = engine_config(data, **engine_overrides(args))
     log_selection(config)
     return config

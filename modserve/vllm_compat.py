@@ -207,6 +207,7 @@ VLLM_OPTIONS: tuple[VllmOption, ...] = (
                "kv_connector (SharedStorageConnector -> shared_storage, OffloadingConnector -> host; "
                "kv_connector_extra_config -> its options), kv_role, kv_load_failure_policy", {"metavar": "JSON"},
                _kv_transfer),
+    VllmOption("disable_uvicorn_access_log", "mapped", "`modserve serve`: uvicorn's access log off", _BOOL),
     VllmOption("guided_decoding_backend", "mapped", "grammar_backend: NAME (auto, xgrammar, outlines)",
                {"metavar": "NAME"}, _set_name("grammar_backend")),
     # -- refused: a value other than vLLM's default is an error
@@ -237,25 +238,25 @@ VLLM_OPTIONS: tuple[VllmOption, ...] = (
     VllmOption("revision", "ignored", "a local checkpoint directory is one revision", _TEXT),
     VllmOption("tokenizer_revision", "ignored", "a local tokenizer directory is one revision", _TEXT),
     VllmOption("hf_token", "ignored", "modserve never downloads", _TEXT),
-    VllmOption("max_seq_len_to_capture", "ignored", "modserve captures no CUDA graphs", _INT),
+    VllmOption("max_seq_len_to_capture", "ignored", "modserve captures no CUDA graphs", _INT, default=8192),
     VllmOption("disable_custom_all_reduce", "ignored", "modserve's all-reduce is torch.distributed's", _BOOL,
                default=False),
     VllmOption("max_parallel_loading_workers", "ignored", "weights load in one pass", _INT),
+    # (a default of two values: either is what modserve does anyway)
     VllmOption("disable_log_stats", "ignored", "modserve logs no periodic stats: they are on /metrics", _BOOL,
-               default=False),
-    VllmOption("disable_log_requests", "ignored", "modserve logs no request contents", _BOOL, default=False),
+               default=(False, True)),
+    VllmOption("disable_log_requests", "ignored", "modserve logs no request contents", _BOOL,
+               default=(False, True)),
     VllmOption("enable_log_requests", "ignored", "modserve logs no request contents", _BOOL, default=False),
     VllmOption("max_log_len", "ignored", "modserve logs no request contents", _INT),
-    VllmOption("uvicorn_log_level", "ignored", "uvicorn logs at --log-level", _TEXT),
-    VllmOption("disable_uvicorn_access_log", "ignored", "modserve's uvicorn writes no access log", _BOOL,
-               default=False),
+    VllmOption("uvicorn_log_level", "ignored", "uvicorn logs at --log-level", _TEXT, default="info"),
     VllmOption("disable_frontend_multiprocessing", "ignored", "the server and engine share one process",
                _BOOL, default=False),
 )
 BY_KEY: dict[str, VllmOption] = {o.key: o for o in VLLM_OPTIONS}
 # Keys a ``vllm serve`` config file holds for the server, not the engine: ``modserve serve``
 # takes them as its flags (a file's value yields to the command line).
-SERVER_KEYS: tuple[str, ...] = ("host", "port", "api_key")
+SERVER_KEYS: tuple[str, ...] = ("host", "port", "api_key", "disable_uvicorn_access_log")
 
 
 def normalize_key(key: str) -> str:

@@ -33,6 +33,8 @@ DEPLOY = ROOT / "deploy"
 K8S = DEPLOY / "k8s"
 DOCKERFILES = ("Dockerfile", "Dockerfile.cuda")
 KUBERNETES_VERSION = "1.30"
+# --host in the ENTRYPOINT, not CMD: arguments given to `docker run` replace CMD.
+ENTRYPOINT = ["python", "-m", "modserve.server", "--host", "0.0.0.0"]
 # Median warm start of `modserve serve` (demo model) to a 200 on /health, on 2 shared CPU
 # cores (docs/deployment.md); the startupProbe must allow 3x it.
 MEASURED_START_S = 34
@@ -67,12 +69,12 @@ def exec_form(text: str, instruction: str) -> list[str]:
 def dockerfile_problems(text: str) -> list[str]:
     steps = instructions(text)
     problems = []
-    if exec_form(text, "ENTRYPOINT") != ["python", "-m", "modserve.server"]:
-        problems.append("ENTRYPOINT is not python -m modserve.server")
+    if exec_form(text, "ENTRYPOINT") != ENTRYPOINT:
+        problems.append("ENTRYPOINT is not python -m modserve.server --host 0.0.0.0")
     cmd = exec_form(text, "CMD")
     port = cmd[cmd.index("--port") + 1] if "--port" in cmd else None
-    if cmd[:4] != ["--host", "0.0.0.0", "--port", port]:
-        problems.append(f"CMD does not start with --host 0.0.0.0 --port PORT: {cmd}")
+    if cmd[:2] != ["--port", port] or "--host" in cmd:
+        problems.append(f"CMD does not start with --port PORT (and leaves --host to the ENTRYPOINT): {cmd}")
     if [rest for word, rest in steps if word == "EXPOSE"] != [port]:
         problems.append(f"EXPOSE is not the CMD's port {port}")
     [health] = [rest for word, rest in steps if word == "HEALTHCHECK"] or [""]
@@ -123,7 +125,10 @@ def test_planted_dockerfile_fault_fails_hadolint(tmp_path, old, new, code):
 
 
 @pytest.mark.parametrize("old, new, problem", [
-    ('ENTRYPOINT ["python", "-m", "modserve.server"]', 'ENTRYPOINT ["modserve", "serve"]', "ENTRYPOINT"),
+    ('ENTRYPOINT ["python", "-m", "modserve.server", "--host", "0.0.0.0"]', 'ENTRYPOINT ["modserve", "serve"]',
+     "ENTRYPOINT"),
+    (', "--host", "0.0.0.0"]', "]", "ENTRYPOINT"),
+    ('CMD ["--port"', 'CMD ["--host", "0.0.0.0", "--port"', "CMD"),
     ("EXPOSE 8000", "EXPOSE 8080", "EXPOSE"),
     ("8000/health", "8000/healthz", "HEALTHCHECK"),
     ("USER 1001:1001", "USER 0", "root"),
@@ -196,7 +201,8 @@ def container(docs: Docs) -> dict[str, Any]:
 
 
 def flag(args: list[str], name: str) -> str | None:
-    return args[args.index(name) + 1] if name in args else None
+    """The flag's value as argparse reads it: the last one given wins."""
+    return args[len(args) - args[::-1].index(name)] if name in args else None
 
 
 def container_argv(docs: Docs, dockerfile: str) -> list[str]:
@@ -238,10 +244,11 @@ def manifest_problems(docs: Docs, kustomization: dict[str, Any], dockerfile: str
     server_port = int(flag(argv, "--port") or 0)
     if list(ports.values()) != [server_port] or flag(argv, "--host") != "0.0.0.0":
         problems.append(f"the server does not listen on 0.0.0.0 at the container port {ports}: {argv}")
-    if server_port != int(exec_form(dockerfile, "CMD")[3]):
+    if server_port != int(exec_form(dockerfile, "CMD")[1]):
         problems.append("the container port is not the image's")
-    if argv[:3] != exec_form(dockerfile, "ENTRYPOINT"):
-        problems.append(f"the container command is not the image's ENTRYPOINT: {argv[:3]}")
+    entrypoint = exec_form(dockerfile, "ENTRYPOINT")
+    if argv[:len(entrypoint)] != entrypoint:
+        problems.append(f"the container command is not the image's ENTRYPOINT: {argv[:len(entrypoint)]}")
     annotations = pod["metadata"].get("annotations", {})
     if (annotations.get("prometheus.io/scrape"), annotations.get("prometheus.io/path"),
             annotations.get("prometheus.io/port")) != ("true", "/metrics", str(server_port)):
@@ -306,6 +313,12 @@ def _arg(name: str, value: str) -> Callable[[Docs, dict[str, Any]], None]:
     return plant
 
 
+def _add_args(*args: str) -> Callable[[Docs, dict[str, Any]], None]:
+    def plant(docs: Docs, kustomization: dict[str, Any]) -> None:
+        container(docs)["args"].extend(args)
+    return plant
+
+
 POD = ("Deployment", "spec", "template")
 CONTAINER = (*POD, "spec", "containers", 0)
 NAME, COMPONENT = "app.kubernetes.io/name", "app.kubernetes.io/component"
@@ -325,7 +338,8 @@ PLANTED = {
     "startup budget": (_set((*CONTAINER, "startupProbe", "failureThreshold"), 6), "startupProbe allows"),
     "server port": (_arg("--port", "8080"), "does not listen"),
     "container port": (_set((*CONTAINER, "ports", 0, "containerPort"), 8080), "does not listen"),
-    "server host": (_arg("--host", "127.0.0.1"), "does not listen"),
+    "server host": (_set((*CONTAINER, "command"), [*ENTRYPOINT[:-1], "127.0.0.1"]), "does not listen"),
+    "host in args": (_add_args("--host", "127.0.0.1"), "does not listen"),
     "scrape port": (_set((*POD, "metadata", "annotations", "prometheus.io/port"), "9090"), "annotations"),
     "command": (_set((*CONTAINER, "command"), ["modserve", "serve"]), "ENTRYPOINT"),
     "grace period": (_set((*POD, "spec", "terminationGracePeriodSeconds"), 30), "terminationGracePeriodSeconds"),

@@ -40,8 +40,8 @@ def start_ranks(config: EngineConfig, registry: Registry,
     env = {k: v for k, v in os.environ.items() if k.startswith(ENV_PREFIXES)}
     specs = [WorkerSpec(config.model_dump(), rank, world, init_method, platform.distributed_backend,
                         registry.sources(), env) for rank in range(1, world)]
-    logger.info("tensor parallel: %d ranks (%s executor, %s), rendezvous at %s", world,
-                config.executor_choice().name, platform.distributed_backend, init_method)
+    logger.info("%s (%s executor, %s), rendezvous at %s", rank_layout(config), config.executor_choice().name,
+                platform.distributed_backend, init_method)
     start = time.monotonic()
     try:
         executor.start(specs)
@@ -50,8 +50,14 @@ def start_ranks(config: EngineConfig, registry: Registry,
     except Exception:
         executor.shutdown()
         raise
-    logger.info("tensor parallel: %d ranks joined in %.1f s", world, time.monotonic() - start)
+    logger.info("%s joined in %.1f s", rank_layout(config), time.monotonic() - start)
     return executor, tp, pp
+
+
+def rank_layout(config: EngineConfig) -> str:
+    """What the ranks are, for the log: ``-pp 2`` is pipeline stages, not tensor ranks."""
+    return (f"{config.world_size} ranks: {config.pipeline_parallel_size} pipeline stage(s) x "
+            f"{config.tensor_parallel_size} tensor-parallel rank(s)")
 
 
 def stop_ranks(executor: Executor, tp: TensorParallel, world_size: int, tell: bool = True) -> None:

@@ -24,6 +24,7 @@ from modserve.server.completions import create_completion
 from modserve.server.errors import APIError, from_validation_error, invalid
 from modserve.server.grammar_bounds import GrammarBounds
 from modserve.server.metrics import ServerMetrics
+from modserve.server.model_names import served_names
 from modserve.server.openapi import declare_errors
 from modserve.server.replicas import ReplicaSet
 from modserve.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
@@ -54,13 +55,14 @@ def create_app(engine: LLMEngine | Sequence[LLMEngine], api_key: str | None = No
         else ReplicaSet(engines, observer=metrics)
     tokenizer_path = config.tokenizer or config.model
     template = config.chat_template_text()
-    names = config.served_model_names()
+    names, hidden_names = served_names(config)
     state = ServerState(
         engine=async_engine,
         tokenizer=ChatTokenizer(tokenizer_path, config.model, template),
         pool=TokenizerPool(tokenizer_path, config.model, chat_template=template),
         model_name=names[0],
         model_aliases=tuple(names[1:]),
+        hidden_aliases=hidden_names,
         max_model_len=engine.max_model_len,
         max_waiting_requests=config.max_waiting_requests,
         grammar_timeout=config.grammar_compile_timeout,
@@ -114,7 +116,7 @@ def _add_routes(app: FastAPI, state: ServerState, metrics: ServerMetrics) -> Non
     @app.get("/v1/models/{model:path}")
     async def model(model: str) -> ModelCard:
         state.check_model(model)
-        return _model_card(state, model)
+        return _model_card(state, state.model_name if model in state.hidden_aliases else model)
 
     @app.get("/health")
     async def health() -> Response:

@@ -27,7 +27,8 @@ def add_parsers(subparsers: Any) -> None:
                                                  "interface)")
     p.add_argument("--port", type=int, default=None, help=f"(default: {DEFAULT_PORT})")
     p.add_argument("--api-key", default=None,
-                   help="require 'Authorization: Bearer KEY' on /v1 routes (default: $MODSERVE_API_KEY)")
+                   help="require 'Authorization: Bearer KEY' on /v1 routes (default: $MODSERVE_API_KEY, else "
+                        "$VLLM_API_KEY)")
     add_config_flags(p, positional_model=True)
     p.set_defaults(func=cmd_serve)
 
@@ -47,13 +48,17 @@ def cmd_serve(args: argparse.Namespace) -> int:
                        "worker processes", config.grammar_compile_isolation)
         config = config.model_copy(update={"grammar_compile_isolation": "process"})
     host, port = args.host or DEFAULT_HOST, int(args.port or DEFAULT_PORT)
-    api_key = args.api_key or os.environ.get("MODSERVE_API_KEY") or None
+    api_key = args.api_key or env_api_key()
+    if args.host is None:
+        logger.warning("listening on %s only (vLLM binds every interface): pass --host 0.0.0.0 to be reachable "
+                       "from other machines or from outside a container", host)
     # data_parallel_size > 1: that many engines of this config (replicas.replica_config), one app
     engines = build_engines(config, lambda replica: LLMEngine(replica, progress=False))
     app = None
     try:
         app = create_app(engines, api_key=api_key)
-        run(app, host, port, args.log_level, api_key, config)
+        access_log = not getattr(args, "vllm_disable_uvicorn_access_log", None)
+        run(app, host, port, args.log_level, api_key, config, access_log=access_log)
     finally:  # drained and stopped, or failed to start: no tensor-parallel worker outlives the server
         if app is not None:
             app.state.server.engine.shutdown_engine()
@@ -61,6 +66,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
             for engine in engines:
                 engine.shutdown()
     return 0
+
+
+def env_api_key() -> str | None:
+    """The key from the environment: ``MODSERVE_API_KEY``, else vLLM's ``VLLM_API_KEY`` (a server
+    started as vLLM is must not come up open). The key itself is never logged."""
+    ours, vllms = os.environ.get("MODSERVE_API_KEY") or None, os.environ.get("VLLM_API_KEY") or None
+    if ours and vllms:
+        logger.warning("MODSERVE_API_KEY and VLLM_API_KEY are both set: using MODSERVE_API_KEY")
+    return ours or vllms
 
 
 def use_demo_model(args: argparse.Namespace) -> None:

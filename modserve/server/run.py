@@ -116,10 +116,12 @@ class Server(uvicorn.Server):
                 signal.signal(sig, handler)
 
 
-def run(app: FastAPI, host: str, port: int, log_level: str, api_key: str | None, config: EngineConfig) -> None:
+def run(app: FastAPI, host: str, port: int, log_level: str, api_key: str | None, config: EngineConfig,
+        access_log: bool = True) -> None:
     protocol = type("HeaderTimeoutH11Protocol", (HeaderTimeoutH11Protocol,),
                     {"header_timeout": config.request_read_timeout})
     uv_config = uvicorn.Config(app, host=host, port=port, log_level=log_level.lower(), http=protocol,
+                               access_log=access_log,
                                timeout_graceful_shutdown=int(config.shutdown_timeout + FLUSH_SECONDS) + 1)
     state: ServerState = app.state.server
     Server(uv_config, banner(host, port, state.model_name, api_key), state, config.shutdown_timeout).run()

@@ -65,6 +65,7 @@ class ServerState:
     grammar_bounds: GrammarBounds | None = None  # None: no constraint is measured before it compiles
     allow_special_tokens_in_content: bool = False
     model_aliases: tuple[str, ...] = ()  # more names requests may use (served_model_name's others)
+    hidden_aliases: tuple[str, ...] = ()  # accepted, never listed: the model's local path (model_names.py)
     draining: bool = False  # set on SIGTERM: new requests get 503, those in flight finish
     token_strings: dict[int, str] = field(default_factory=dict)
     # No token is longer than this many characters: a text over max_model_len times it
@@ -79,7 +80,7 @@ class ServerState:
         self.response_bound = ResponseBound.of(self.max_response_bytes, vocab)
 
     def check_model(self, name: str | None) -> None:
-        if name is not None and name != self.model_name and name not in self.model_aliases:
+        if name is not None and name != self.model_name and name not in (*self.model_aliases, *self.hidden_aliases):
             raise APIError(404, f"The model `{name}` does not exist. This server serves `{self.model_name}`.",
                            param="model", code="model_not_found")
 
