@@ -6,7 +6,9 @@ greedy agreement with float32, and speed, per method, through the engine.
 Methods: float32 (the reference), bfloat16, int8 and fp8 (quantized at load), AWQ and GPTQ
 checkpoints written by ``modserve quantize`` both round-to-nearest (``--rtn``) and calibrated
 on training text of the demo corpus (AWQ's scale and clip search; GPTQ's Hessian rounding),
-and an fp8 KV cache. Quality: held-out perplexity (the demo model's heldout.txt, windows of
+an fp8 KV cache, and a bfloat16 copy of the checkpoint at ``dtype auto`` through each CPU route
+(bf16_gemm: bf16 GEMMs over bf16 weights, float32 elsewhere; few_rows: float32 products).
+``--only NAME ...`` runs some of them (float32 always). Quality: held-out perplexity (the demo model's heldout.txt, windows of
 256, the training length, stride 128) and its held-out multiple-choice task (150 examples, acc). Greedy agreement:
 32 held-out verse openings, 32 greedy tokens each; a request agrees when all its tokens equal
 float32's. Speed: single-stream greedy decode of 128 tokens, median of ``--repeats``, the
@@ -22,7 +24,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -44,6 +46,17 @@ def calibration_text(path: Path, cache: Path, verses_per_line: int = 8) -> Path:
     return path
 
 
+def bf16_copy(work: Path) -> Path:
+    """The demo checkpoint with its weights stored in bfloat16 (tokenizer files alongside)."""
+    out = work / "bf16"
+    if not (out / "config.json").exists():
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        AutoModelForCausalLM.from_pretrained(DEMO / "main", dtype=torch.bfloat16).save_pretrained(out)
+        AutoTokenizer.from_pretrained(DEMO / "main").save_pretrained(out)
+    return out
+
+
 def quantized(work: Path, name: str, flags: list[str]) -> Path:
     out = work / name
     if not (out / "config.json").exists():
@@ -52,23 +65,35 @@ def quantized(work: Path, name: str, flags: list[str]) -> Path:
     return out
 
 
-def methods(work: Path, text: Path) -> dict[str, tuple[Path, dict[str, Any]]]:
+def methods(work: Path, text: Path) -> dict[str, tuple[Callable[[], Path], dict[str, Any]]]:
+    """Each method: (what makes its checkpoint, only called for the methods run; engine settings)."""
     main = DEMO / "main"
     cal = ["--calibration-text", str(text), "--group-size", "128"]
     return {
-        "float32": (main, {}),
-        "bfloat16": (main, {"dtype": "bfloat16"}),
-        "int8 (per channel)": (main, {"quantization": "int8"}),
-        "fp8 e4m3 (per channel)": (main, {"quantization": "fp8"}),
-        "awq 4-bit g128, round to nearest": (quantized(work, "awq-rtn", ["--method", "awq", "--rtn", *cal]), {}),
-        "awq 4-bit g128, calibrated": (quantized(work, "awq", ["--method", "awq", *cal]), {}),
-        "gptq 4-bit g128, round to nearest": (quantized(work, "gptq-rtn", ["--method", "gptq", "--rtn", *cal]), {}),
-        "gptq 4-bit g128, calibrated": (quantized(work, "gptq", ["--method", "gptq", *cal]), {}),
-        "gptq 4-bit g128 act-order, calibrated": (quantized(work, "gptq-act", ["--method", "gptq", "--desc-act",
-                                                                                 *cal]), {}),
-        "gptq 8-bit g128, calibrated": (quantized(work, "gptq8", ["--method", "gptq", "--bits", "8", *cal]), {}),
-        "float32 + fp8 KV cache": (main, {"kv_cache_dtype": "fp8_e4m3"}),
+        "float32": (lambda: main, {}),
+        "bfloat16": (lambda: main, {"dtype": "bfloat16"}),
+        "int8 (per channel)": (lambda: main, {"quantization": "int8"}),
+        "fp8 e4m3 (per channel)": (lambda: main, {"quantization": "fp8"}),
+        "awq 4-bit g128, round to nearest": (lambda: quantized(work, "awq-rtn", ["--method", "awq", "--rtn", *cal]),
+                                             {}),
+        "awq 4-bit g128, calibrated": (lambda: quantized(work, "awq", ["--method", "awq", *cal]), {}),
+        "gptq 4-bit g128, round to nearest": (lambda: quantized(work, "gptq-rtn", ["--method", "gptq", "--rtn",
+                                                                                     *cal]), {}),
+        "gptq 4-bit g128, calibrated": (lambda: quantized(work, "gptq", ["--method", "gptq", *cal]), {}),
+        "gptq 4-bit g128 act-order, calibrated": (lambda: quantized(work, "gptq-act", ["--method", "gptq",
+                                                                                         "--desc-act", *cal]), {}),
+        "gptq 8-bit g128, calibrated": (lambda: quantized(work, "gptq8", ["--method", "gptq", "--bits", "8", *cal]),
+                                        {}),
+        "float32 + fp8 KV cache": (lambda: main, {"kv_cache_dtype": "fp8_e4m3"}),
+        "bf16 checkpoint, auto, bf16_gemm route": (lambda: bf16_copy(work),
+                                                   {"dtype": "auto", "platform": _route("on")}),
+        "bf16 checkpoint, auto, few_rows route": (lambda: bf16_copy(work),
+                                                  {"dtype": "auto", "platform": _route("off")}),
     }
+
+
+def _route(setting: str) -> dict[str, Any]:
+    return {"name": "cpu", "options": {"bf16_gemm": setting}}
 
 
 def quality(llm: Any, heldout: str, task: list[Any]) -> dict[str, float]:
@@ -128,6 +153,7 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=REPO / "docs" / "figures" / "quantization-quality.png")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--only", nargs="+", default=None, metavar="NAME", help="these methods (and float32) only")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     import platformdirs
@@ -144,7 +170,9 @@ def main() -> None:
     openings = [" ".join(line.split()[:6]) for line in lines[:: len(lines) // 32][:32]]
     engines = {}
     for name, (model, kwargs) in methods(a.work, text).items():
-        engines[name] = LLM(str(model), **{"dtype": "float32", **kwargs}, num_kv_blocks=512, max_model_len=512,
+        if a.only and name != "float32" and name not in a.only:
+            continue
+        engines[name] = LLM(str(model()), **{"dtype": "float32", **kwargs}, num_kv_blocks=512, max_model_len=512,
                             progress=False)
     rows: dict[str, dict[str, Any]] = {}
     reference = greedy(engines["float32"], openings, 32)

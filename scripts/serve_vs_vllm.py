@@ -71,7 +71,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", required=True, help="HF checkpoint directory both servers load")
     ap.add_argument("--vllm-python", required=True, help="a Python with vLLM installed")
-    ap.add_argument("--vllm-dtype", default="float32", help="vLLM's --dtype (its best offline dtype on this CPU)")
+    ap.add_argument("--vllm-dtype", default="auto",
+                    help="vLLM's --dtype; default auto, vLLM's own default (a bf16 checkpoint computes in bf16)")
     ap.add_argument("--modserve-args", default="", help="extra `modserve serve` arguments, one string")
     ap.add_argument("--log-dir", default="build/serve-vs-vllm")
     ap.add_argument("--start-timeout", type=float, default=900.0, help="s to wait for each server")

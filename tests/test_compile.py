@@ -18,6 +18,9 @@ from modserve.testing import cached_checkpoint
 PROMPTS = ["Hello", "The quick brown fox jumps over the lazy dog", "café naïve 日本語 😀 and then",
            "one two three four five six seven eight nine ten eleven twelve"]
 MAX_NEW = 10
+# The few-rows route (float32 GEMMs, a bf16 copy for decode) on any CPU: these tests are about
+# it; the bf16-GEMM route that CPUs with AMX take by default is tests/test_cpu_routes.py's.
+FEW_ROWS = {"name": "cpu", "options": {"bf16_gemm": "off"}}
 
 
 @pytest.fixture(scope="module")
@@ -34,7 +37,7 @@ def bf16_reference():
 
 @pytest.fixture(scope="module")
 def compiled_llm(bf16_reference):
-    return LLM(bf16_reference[0], compile="on", num_kv_blocks=128, progress=False)
+    return LLM(bf16_reference[0], compile="on", num_kv_blocks=128, progress=False, platform=FEW_ROWS)
 
 
 def test_compile_on_uses_the_16bit_decode_weights(compiled_llm):
@@ -58,7 +61,7 @@ def test_compiled_greedy_matches_transformers_batched_and_alone(bf16_reference, 
 
 def test_compiled_logprobs_match_eager(bf16_reference, compiled_llm):
     path, ids, _ = bf16_reference
-    eager = LLM(path, compile="off", num_kv_blocks=128, progress=False)
+    eager = LLM(path, compile="off", num_kv_blocks=128, progress=False, platform=FEW_ROWS)
     params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True, logprobs=0)
     for p in ids:
         a = compiled_llm.generate([p], params, use_tqdm=False)[0].outputs[0]
@@ -88,7 +91,7 @@ def test_int8_with_its_cpu_kernel_compiles_to_the_eager_tokens(bf16_reference):
 
 
 def test_compile_auto_stays_off_for_small_models(bf16_reference):
-    llm = LLM(bf16_reference[0], num_kv_blocks=128, progress=False)
+    llm = LLM(bf16_reference[0], num_kv_blocks=128, progress=False, platform=FEW_ROWS)
     assert not llm.engine.runner.compiled
     assert not any(hasattr(m, "decode_weight") for m in llm.engine.runner.model.modules())
 

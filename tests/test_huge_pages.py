@@ -90,7 +90,7 @@ def test_a_cpu_engine_decodes_from_huge_pages_with_the_same_tokens(bf16_path):
     tokens = {}
     for huge in (True, False):
         llm = LLM(bf16_path, num_kv_blocks=128, progress=False,
-                  platform={"name": "cpu", "options": {"huge_pages": huge}})
+                  platform={"name": "cpu", "options": {"huge_pages": huge, "bf16_gemm": "off"}})
         weight = llm.engine.runner.model.get_parameter("layers.0.mlp.gate_up_proj.weight")
         if huge:
             assert huge_bytes_at(weight.data_ptr()) > 0

@@ -99,11 +99,11 @@ def test_a_platform_refuses_a_device_of_another_type(llama_dir):
         LLM(llama_dir, device="cuda", platform="cpu", num_kv_blocks=256, progress=False)
 
 
-def test_cpu_dtype_auto_computes_in_float32_and_says_why(caplog):
+def test_cpu_dtype_auto_keeps_float32_activations_and_says_so(caplog):
     platform = CpuPlatform(torch.device("cpu"))
     with caplog.at_level("INFO", logger="modserve"):
         assert platform.resolve_dtype("auto", torch.bfloat16) == torch.float32
-    assert "dtype auto: float32 (checkpoint is torch.bfloat16" in caplog.text
+    assert "dtype auto: float32 activations (checkpoint is torch.bfloat16)" in caplog.text
     assert platform.resolve_dtype("bfloat16", torch.float32) == torch.bfloat16
     assert platform.available_memory() > 0
 

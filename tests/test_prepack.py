@@ -12,7 +12,7 @@ from modserve import LLM, SamplingParams
 from modserve.plugins.platforms.cpu.prepack import packed_linear, to_panels
 from modserve.testing import cached_checkpoint
 
-from test_compile import MAX_NEW, bf16_reference  # noqa: F401  (a fixture)
+from test_compile import FEW_ROWS, MAX_NEW, bf16_reference  # noqa: F401  (a fixture)
 
 
 @pytest.mark.parametrize("layout", ["panels", "onednn"])
@@ -32,7 +32,7 @@ def test_packed_linear_matches_f_linear(rows, bias, layout):
 @pytest.mark.parametrize("compile", ["on", "off"])
 def test_packed_greedy_matches_transformers_and_logprobs_match_unpacked(bf16_reference, compile):  # noqa: F811
     path, ids, expected = bf16_reference
-    packed = LLM(path, compile=compile, prepack_weights="on", num_kv_blocks=128, progress=False)
+    packed = LLM(path, compile=compile, prepack_weights="on", num_kv_blocks=128, progress=False, platform=FEW_ROWS)
     runner = packed.engine.runner
     linears = [m for m in runner.model.modules() if hasattr(m, "packed_weight")]
     assert linears and all(m.packed_weight.shape[2] == 16 for m in linears)  # panels: the kernel is built here
@@ -40,7 +40,7 @@ def test_packed_greedy_matches_transformers_and_logprobs_match_unpacked(bf16_ref
     params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True, logprobs=0)
     together = packed.generate(ids, params, use_tqdm=False)  # batched decode: the packed GEMMs
     assert [o.outputs[0].token_ids for o in together] == expected
-    plain = LLM(path, compile="off", prepack_weights="off", num_kv_blocks=128, progress=False)
+    plain = LLM(path, compile="off", prepack_weights="off", num_kv_blocks=128, progress=False, platform=FEW_ROWS)
     reference = plain.generate(ids, params, use_tqdm=False)
     for a, b in zip(together, reference, strict=True):
         for x, y in zip(a.outputs[0].logprobs, b.outputs[0].logprobs, strict=True):
@@ -49,7 +49,7 @@ def test_packed_greedy_matches_transformers_and_logprobs_match_unpacked(bf16_ref
 
 def test_prepack_auto_stays_off_for_small_models_and_says_why(bf16_reference, caplog):  # noqa: F811
     with caplog.at_level("INFO", logger="modserve"):
-        llm = LLM(bf16_reference[0], num_kv_blocks=128, progress=False)
+        llm = LLM(bf16_reference[0], num_kv_blocks=128, progress=False, platform=FEW_ROWS)
     assert not any(hasattr(m, "packed_weight") for m in llm.engine.runner.model.modules())
     assert "prepack_weights auto: off" in caplog.text and "MiB of weights" in caplog.text
 

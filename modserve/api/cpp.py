@@ -14,8 +14,10 @@ on one thread. ``csrc/`` here is on every kernel's include path, so any kernel m
 
 Each build lives in its own folder under ``$MODSERVE_CACHE`` (default
 ``~/.cache/modserve``)``/kernels``, named by a hash of the source, the headers, the flags,
-torch's version and the interpreter: two checkouts or venvs never rebuild each other's
-kernels, and a changed source never loads a stale library.
+torch's version, the interpreter and the CPU's model and flags: two checkouts or venvs
+never rebuild each other's kernels, a changed source never loads a stale library, and a
+cache carried to another CPU (a disk image, a home directory on shared storage) never
+loads code built for instructions this one lacks.
 """
 
 from __future__ import annotations
@@ -37,15 +39,28 @@ CFLAGS = ("-O3", "-march=native", "-fopenmp")
 LDFLAGS = ("-fopenmp",)
 
 
+def cpu_identity() -> bytes:
+    """What ``-march=native`` builds for: the CPU's model name and feature flags."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return b"unknown CPU"
+    first = {}
+    for line in lines:
+        key, _, value = line.partition(":")
+        first.setdefault(key.strip(), value.strip())
+    return f"{first.get('model name', '')}|{first.get('flags', '')}".encode()
+
+
 def build_directory(name: str, source: str) -> Path:
-    """The cache folder of this exact build: same source, headers, flags, torch and Python."""
+    """The cache folder of this exact build: same source, headers, flags, torch, Python and CPU."""
     import torch
 
     digest = hashlib.sha256()
     code = Path(source).read_bytes() if Path(source).is_file() else source.encode()  # missing: the build says so
     for part in (code, *(h.read_bytes() for h in sorted(INCLUDE.glob("*.h"))),
                  " ".join(CFLAGS + LDFLAGS).encode(), torch.__version__.encode(), sys.executable.encode(),
-                 sys.version.encode()):
+                 sys.version.encode(), cpu_identity()):
         digest.update(part)
     root = Path(os.environ.get("MODSERVE_CACHE", Path.home() / ".cache" / "modserve"))
     return root / "kernels" / f"{name}-{digest.hexdigest()[:16]}"

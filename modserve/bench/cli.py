@@ -247,7 +247,8 @@ def _header(llm: Any, pinning: str) -> list[str]:
     return [f"model: {cfg.model} ({str(llm.engine.dtype).removeprefix('torch.')}, device {cfg.device})",
             f"engine: attention {cfg.attention_backend.name}, kv_allocator {cfg.kv_allocator.name}, "
             f"scheduler {cfg.scheduler.name}, max_num_seqs {cfg.max_num_seqs}",
-            f"machine: {platform.processor() or platform.machine()}, torch {torch.__version__}, {pinning}"]
+            f"machine: {platform.processor() or platform.machine()}, torch {torch.__version__}, {pinning}",
+            f"device: {llm.engine.platform.describe()}"]
 
 
 def _workload_line(args: argparse.Namespace, requests: Sequence[Any]) -> str:
@@ -332,6 +333,19 @@ def cmd_throughput(args: argparse.Namespace) -> int:
     return 0
 
 
+def _gemm_dtype(llm: Any) -> str:
+    """The dtype the float linears multiply in, whose GEMM rate is the compute ceiling: the
+    compute dtype, or bfloat16 where the platform kept bf16 weights (the CPU's bf16_gemm route)."""
+    import torch
+
+    from modserve.api import float_layers
+
+    runner = getattr(llm.engine, "runner", None)
+    layers = float_layers(runner.model) if runner is not None and hasattr(runner, "model") else []
+    bf16_weights = any(m.weight.dtype == torch.bfloat16 for m in layers)  # a tied head may stay float32
+    return "bfloat16" if bf16_weights else str(llm.engine.dtype).removeprefix("torch.")
+
+
 def _compute_ceiling(args: argparse.Namespace, llm: Any, lengths: list[tuple[int, int]],
                      seconds: float) -> tuple[str, Any] | None:
     """(hardware, :class:`~modserve.bench.roofline.ComputeFraction`) of a run of these
@@ -342,7 +356,7 @@ def _compute_ceiling(args: argparse.Namespace, llm: Any, lengths: list[tuple[int
     hw_name = args.hardware or ("cpu" if llm.config.device == "cpu" else None)
     if not hw_name:
         return None
-    dtype = str(llm.engine.dtype).removeprefix("torch.")
+    dtype = _gemm_dtype(llm)
     return hw_name, compute_fraction(ModelShape.load(llm.config.model), hardware(hw_name, dtype), dtype, lengths,
                                      seconds)
 
@@ -408,7 +422,7 @@ def cmd_latency(args: argparse.Namespace) -> int:
     result: dict[str, Any] = {"runs": runs, **{f"{b.name}_runs": figures[b.name] for b in baselines}}
     hw_name = args.hardware or ("cpu" if llm.config.device == "cpu" else None)
     if hw_name:
-        dtype = str(llm.engine.dtype).removeprefix("torch.")
+        dtype = _gemm_dtype(llm)
         kv_dtype = "fp8" if llm.config.kv_cache_dtype == "fp8_e4m3" else None
         shape, hw = ModelShape.load(llm.config.model), hardware(hw_name, dtype)  # the CPU's measured once
         p = plan(shape, hw, dtype, kv_dtype,

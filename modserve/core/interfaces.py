@@ -745,6 +745,10 @@ class Platform(ABC):
     def prepare_process(self) -> None:
         """Process-wide tuning before the model is loaded (the host allocator). Default: nothing."""
 
+    def describe(self) -> str:
+        """The hardware and the kernel routes it takes, for a benchmark's header. Default: the device."""
+        return str(self.device)
+
     @abstractmethod
     def resolve_dtype(self, name: str, checkpoint: torch.dtype) -> torch.dtype:
         """The compute dtype for ``dtype: name``: that dtype, or for ``auto`` this device's

@@ -189,7 +189,8 @@ class ModelRunner:
         self.decode_weight_bytes = finished.decode_weight_bytes or self.weight_bytes  # what a decode step reads
         self.packed_weight_bytes = finished.packed_weight_bytes
         logger.info("weights: %.1f MiB (%s)%s%s", self.weight_bytes / 2**20,
-                    type(self.quantizer).__name__ if self.quantizer else str(self.dtype).removeprefix("torch."),
+                    type(self.quantizer).__name__ if self.quantizer else
+                    " and ".join(sorted({str(p.dtype).removeprefix("torch.") for p in model.parameters()})),
                     f", of which batch-1 decode reads {self.decode_weight_bytes / 2**20:.1f} MiB"
                     if finished.decode_weight_bytes is not None else "",
                     f"; plus {self.packed_weight_bytes / 2**20:.1f} MiB packed for batched GEMMs"

@@ -38,6 +38,10 @@ PRESETS: dict[str, dict[str, Any]] = {
     # ~88M parameters as a Llama: big enough for meaningful benchmarks on CPU/GPU.
     "small": dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12,
                   num_key_value_heads=4, intermediate_size=2048, vocab_size=8192),
+    # Llama-3.2-1B's layer shapes with a vocabulary of 8,192: ~1.0B parameters, 2 GB in bf16,
+    # larger than any CPU's last-level cache, so decode streams from memory; for benchmarks.
+    "1b": dict(hidden_size=2048, num_hidden_layers=16, num_attention_heads=32,
+               num_key_value_heads=8, intermediate_size=8192, vocab_size=8192),
 }
 # Per (arch, preset): what the preset alone doesn't give an architecture, applied over it.
 # The MoE ones: several layers so both layer kinds appear (qwen2_moe every 2nd layer sparse,

@@ -1,13 +1,19 @@
 """The CPU platform's linear method: float weights read by the cheapest route a step has.
 
 A decode step of a few sequences on a CPU is bound by memory bandwidth: every weight is
-read once per token. A bfloat16 checkpoint's weights are exact in bfloat16, so for up to
-16 rows a C++ kernel (``csrc/bf16_linear.cpp``, ``modserve_cpu::few_rows_linear``) reads
-a 16-bit copy once per 8 rows and accumulates in float32: half the bytes of float32
-weights, with float32 results, which a plain bf16 matmul (bf16 output, 6-300x slower
-GEMMs here) does not give. Where the kernel cannot be built, or for a float16 copy, a
-compiled GEMV does the same for a single row. Prefill and larger batches keep float32
-weights and GEMMs (packed once at load where :mod:`.prepack` says so).
+read once per token. A bfloat16 checkpoint's weights are exact in bfloat16, and
+:mod:`.features` picks, per CPU, one of two routes for them (``dtype: auto``):
+
+- ``bf16_gemm`` (CPUs with AMX): the weights are kept in bfloat16 only and every linear
+  runs oneDNN's bf16 GEMM (``modserve_cpu::bf16_gemm_linear``): input rounded to bf16,
+  float32 accumulation, on AMX tiles. It reads half the bytes at every row count and
+  computes prefill many times faster than float32; the model's other work (norms,
+  attention, residual stream) stays float32.
+- ``few_rows`` (elsewhere): up to 16 rows, a C++ kernel (``csrc/bf16_linear.cpp``,
+  ``modserve_cpu::few_rows_linear``) reads a 16-bit copy once per 8 rows and accumulates
+  float32 inputs exactly; prefill and larger batches keep float32 weights and GEMMs
+  (packed once at load where :mod:`.prepack` says so). Where the kernel cannot be built,
+  or for a float16 copy, a compiled GEMV does the same for a single row.
 
 Which copies a layer holds is decided once, after loading (:class:`.platform.CpuPlatform`);
 :meth:`CpuLinear.apply` only reads what is there.
@@ -22,13 +28,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from modserve.api import Unquantized, float_layers
+from modserve.api import Unquantized, float_layers, model_bytes
+from modserve.plugins.platforms.cpu.features import CpuFeatures
 from modserve.plugins.platforms.cpu.kernels import bf16_linear_ready
 
 logger = logging.getLogger("modserve")
 
-# Whether torch.ops.modserve_cpu.few_rows_linear is loaded (with its fake): set where decode
-# weights are chosen, a plain global so compiled regions read it as a constant.
+# Whether torch.ops.modserve_cpu.few_rows_linear and .bf16_gemm_linear are loaded (with
+# their fakes): set where the route is chosen, a plain global so compiled regions read it
+# as a constant.
 _bf16_kernel = False
 
 # Most rows the bf16 kernel takes (in passes of up to 8); beyond, float32 GEMMs win.
@@ -45,6 +53,8 @@ class CpuLinear(Unquantized):
                               getattr(layer, "packed_weight", None))
 
     def native_op(self, layer: nn.Module) -> tuple[str, list[torch.Tensor | None]] | None:
+        if layer.weight.dtype == torch.bfloat16 and _bf16_kernel:
+            return "modserve_cpu::bf16_gemm_linear", [layer.weight, layer.bias]
         decode_weight = getattr(layer, "decode_weight", None)
         if decode_weight is None or decode_weight.dtype != torch.bfloat16 or not _bf16_kernel:
             return None
@@ -54,12 +64,18 @@ class CpuLinear(Unquantized):
 
 def linear_or_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                    decode_weight: torch.Tensor | None, packed_weight: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear(x, weight, bias)``, by the fastest route the layer has: with a bfloat16
+    """``F.linear(x, weight, bias)``, by the fastest route the layer has: with bfloat16
+    weights under float32 input (the ``bf16_gemm`` route), oneDNN's bf16 GEMM; with a bfloat16
     ``decode_weight`` ([out, in]) and the kernel built, ``modserve_cpu::few_rows_linear``
     (up to :data:`FEW_ROWS` rows from the bf16 copy, more in float32); for one
     row inside a compiled region, the 16-bit ``decode_weight`` as one fused
     upcast-multiply-sum over ``in``; with a ``packed_weight`` (:mod:`.prepack`:
     panels or oneDNN's layout), the GEMM for that layout."""
+    if weight.dtype == torch.bfloat16 and x.dtype == torch.float32:
+        if _bf16_kernel:
+            return torch.ops.modserve_cpu.bf16_gemm_linear(x, weight, bias)
+        y = F.linear(x.to(torch.bfloat16), weight).float()
+        return y if bias is None else y + bias
     if decode_weight is not None and decode_weight.dtype == torch.bfloat16 and _bf16_kernel:
         return torch.ops.modserve_cpu.few_rows_linear(x, weight, decode_weight, packed_weight, bias)
     if decode_weight is not None and x.shape[0] == 1 and torch.compiler.is_compiling():
@@ -68,6 +84,47 @@ def linear_or_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     if packed_weight is not None:
         return torch.ops.modserve.packed_linear(x, packed_weight, bias, weight.shape[0])
     return F.linear(x, weight, bias)
+
+
+def bf16_gemm_wanted(setting: str, features: CpuFeatures, dtype_setting: str, compute: torch.dtype,
+                     checkpoint: torch.dtype) -> bool:
+    """Whether the float linears take the ``bf16_gemm`` route (``setting``: auto, on, off;
+    auto: :meth:`CpuFeatures.default_route`); ``on`` where it cannot apply is an error. Logs
+    the choice with the CPU it was made for."""
+    problem = None
+    if checkpoint != torch.bfloat16:
+        problem = f"the checkpoint is {str(checkpoint).removeprefix('torch.')}, not bfloat16"
+    elif dtype_setting != "auto" or compute != torch.float32:
+        problem = f"dtype {dtype_setting} asks for {str(compute).removeprefix('torch.')} linears"
+    if setting == "on" and problem:
+        raise ValueError(f"platform option bf16_gemm: on, but {problem}")
+    wanted = problem is None and (setting == "on" or (setting == "auto" and features.default_route() == "bf16_gemm"))
+    if wanted:
+        global _bf16_kernel
+        _bf16_kernel = load_few_rows_kernel()
+        logger.info("dtype auto on %s: linears read the checkpoint's bfloat16 weights through oneDNN's bf16 "
+                    "GEMM (inputs rounded to bf16, float32 accumulation; bf16_gemm %s); norms, attention and "
+                    "the residual stream in float32; dtype float32 keeps every product exact", features.describe(),
+                    setting)
+    elif problem is None and checkpoint == torch.bfloat16:
+        logger.info("dtype auto on %s: bf16_gemm %s: float32 GEMMs, bf16 weights for few-row decode",
+                    features.describe(), setting)
+    return wanted
+
+
+def to_bf16_weights(model: nn.Module) -> int:
+    """Replace every :func:`~modserve.core.linear.float_layers` layer's float32 weight by
+    its bfloat16 value (exact for a bf16 checkpoint), except a head tied to the embedding,
+    which keeps the embedding's float32 rows; returns the bytes a decode step then reads."""
+    targets = float_layers(model)
+    target_ids = {id(m) for m in targets}
+    elsewhere = {id(p) for m in model.modules() if id(m) not in target_ids for p in m.parameters(recurse=False)}
+    for module in targets:
+        if id(module.weight) in elsewhere:
+            logger.info("bf16_gemm: %s is tied to the embedding and stays float32", type(module).__name__)
+            continue
+        module.weight = nn.Parameter(module.weight.detach().to(torch.bfloat16), requires_grad=False)
+    return model_bytes(model)
 
 
 def decode_weight_dtype(dtype_setting: str, compute: torch.dtype, checkpoint: torch.dtype,
@@ -109,6 +166,10 @@ def _few_rows_linear_fake(x: torch.Tensor, weight: torch.Tensor, decode_weight: 
     return x.new_empty(x.shape[0], weight.shape[0])
 
 
+def _bf16_gemm_linear_fake(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return x.new_empty(x.shape[0], weight.shape[0])
+
+
 @functools.cache
 def load_few_rows_kernel() -> bool:
     """Load the C++ kernel and give ``modserve_cpu::few_rows_linear`` (up to :data:`FEW_ROWS`
@@ -116,4 +177,5 @@ def load_few_rows_kernel() -> bool:
     if not bf16_linear_ready():
         return False
     torch.library.register_fake("modserve_cpu::few_rows_linear")(_few_rows_linear_fake)
+    torch.library.register_fake("modserve_cpu::bf16_gemm_linear")(_bf16_gemm_linear_fake)
     return True

@@ -1,10 +1,11 @@
-"""The ``cpu`` platform: float32 compute, the glibc heap kept, and float weights in the
-layouts a CPU step reads fastest (:mod:`.linear`, :mod:`.prepack`), in huge pages
-(:mod:`.huge_pages`)."""
+"""The ``cpu`` platform: float32 activations, the glibc heap kept, and float weights in the
+layouts and routes a CPU step reads fastest on the CPU at hand (:mod:`.features`,
+:mod:`.linear`, :mod:`.prepack`), in huge pages (:mod:`.huge_pages`)."""
 
 from __future__ import annotations
 
 import logging
+from typing import Literal
 
 import torch
 from pydantic import BaseModel, Field
@@ -15,7 +16,9 @@ from modserve.api import (
 from modserve.plugins.platforms.compile import AUTO_COMPILE_MIN_BYTES, compile_regions, compile_wanted
 from modserve.plugins.platforms.cpu.host_memory import keep_freed_memory
 from modserve.plugins.platforms.cpu.huge_pages import move_weights_to_huge_pages
-from modserve.plugins.platforms.cpu.linear import CpuLinear, add_decode_weights, decode_weight_dtype
+from modserve.plugins.platforms.cpu.features import cpu_features
+from modserve.plugins.platforms.cpu.linear import (
+    CpuLinear, add_decode_weights, bf16_gemm_wanted, decode_weight_dtype, to_bf16_weights)
 from modserve.plugins.platforms.cpu.native_decode import native_decode_step
 from modserve.plugins.platforms.cpu.prepack import add_packed_weights
 
@@ -27,6 +30,9 @@ class CpuOptions(BaseModel):
                                 "linears and the attention backend allow (false: the compiled forward)")
     huge_pages: bool = Field(True, description="Copy the weights into memory backed by 2 MiB transparent huge pages "
                              "(Linux): a decode step streams them with ~500x fewer TLB misses")
+    bf16_gemm: Literal["auto", "on", "off"] = Field(
+        "auto", description="With dtype auto and a bfloat16 checkpoint, keep the linears' weights in bfloat16 and "
+        "run oneDNN's bf16 GEMM (AMX tiles) for every linear; auto: on CPUs with AMX-BF16 (features.py)")
 
 
 class CpuPlatform(Platform):
@@ -38,12 +44,21 @@ class CpuPlatform(Platform):
     def prepare_process(self) -> None:
         keep_freed_memory()  # a step's activations reuse the last step's pages
 
+    def describe(self) -> str:
+        features = cpu_features()
+        return f"cpu: {features.describe()}; bf16 checkpoints' linears: {self.bf16_route()}"
+
+    def bf16_route(self) -> str:
+        """Where dtype auto meets a bfloat16 checkpoint: ``bf16_gemm`` or ``few_rows`` (:mod:`.features`)."""
+        setting = self.options.bf16_gemm
+        return cpu_features().default_route() if setting == "auto" else ("bf16_gemm" if setting == "on" else "few_rows")
+
     def resolve_dtype(self, name: str, checkpoint: torch.dtype) -> torch.dtype:
         if name != "auto":
             return getattr(torch, name)
         if checkpoint != torch.float32:
-            logger.info("dtype auto: float32 (checkpoint is %s; CPUs without native bf16/fp16 GEMMs run "
-                        "them many times slower than float32)", checkpoint)
+            # The linears may still multiply in bf16 (the bf16_gemm route, decided in finish_model).
+            logger.info("dtype auto: float32 activations (checkpoint is %s)", checkpoint)
             return torch.float32
         logger.info("dtype auto: %s (the checkpoint's)", checkpoint)
         return checkpoint
@@ -61,11 +76,17 @@ class CpuPlatform(Platform):
     def finish_model(self, model: CausalLM, load: ModelLoad) -> FinishedModel:
         compiled = (self.compile_wanted(load.compile, model_bytes(model), load.quantized, load.quantizer_traceable)
                     and compile_regions(model))
-        decode_dtype = decode_weight_dtype(load.dtype_setting, load.dtype, load.checkpoint_dtype, compiled)
-        decode_bytes = add_decode_weights(model, decode_dtype) if decode_dtype is not None else None
         packed_bytes = 0
-        if self.prepack_wanted(load.prepack_weights, load.dtype, model_bytes(model), load.quantized):
-            packed_bytes = add_packed_weights(model)
+        if bf16_gemm_wanted(self.options.bf16_gemm, cpu_features(), load.dtype_setting, load.dtype,
+                            load.checkpoint_dtype):
+            decode_bytes: int | None = to_bf16_weights(model)
+            if load.prepack_weights == "on":
+                raise ValueError("prepack_weights: on, but the linears run bf16 GEMMs (platform option bf16_gemm)")
+        else:
+            decode_dtype = decode_weight_dtype(load.dtype_setting, load.dtype, load.checkpoint_dtype, compiled)
+            decode_bytes = add_decode_weights(model, decode_dtype) if decode_dtype is not None else None
+            if self.prepack_wanted(load.prepack_weights, load.dtype, model_bytes(model), load.quantized):
+                packed_bytes = add_packed_weights(model)
         if self.options.huge_pages:
             self._move_to_huge_pages(model)
         return FinishedModel(compiled, decode_bytes, packed_bytes)

@@ -10,8 +10,8 @@
 //
 // Beyond a few rows, panel_linear (below) is the float32 GEMM of batched steps.
 //
-// Registered as torch.ops.modserve_cpu.bf16_linear, .panel_linear and .few_rows_linear
-// (built by modserve/plugins/platforms/cpu/kernels.py).
+// Registered as torch.ops.modserve_cpu.bf16_linear, .panel_linear, .few_rows_linear and
+// .bf16_gemm_linear (built by modserve/plugins/platforms/cpu/kernels.py).
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -284,12 +284,114 @@ at::Tensor few_rows_linear(const at::Tensor& x, const at::Tensor& weight, const 
   return at::linear(x, weight, bias);
 }
 
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+constexpr bool kHaveDot = true;
+constexpr int64_t kDotRows = 4;  // rows per pass of the dot kernel
+constexpr int64_t kDotMaxRows = 2;  // beyond, oneDNN's GEMM reads the weights about as fast (benchmarks.md)
+constexpr int64_t kDotOutputs = 4;  // output features a thread computes together
+constexpr int64_t kDotClaim = 16;  // output features a thread claims at a time (claims.h)
+
+// y[r, n] = dot(x[r, :], W[n, :]) for R rows x [R, K] and outputs n in [begin, end), both
+// bf16, with vdpbf16ps: 32 products a weight load, float32 sums. kDotOutputs weight rows
+// are streamed side by side so each x load serves all of them; K % 32 takes masked loads.
+template <int64_t R>
+void dot_rows(const uint16_t* x, const uint16_t* w, float* y, int64_t K, int64_t N, int64_t begin, int64_t end) {
+  const int64_t tail = K % 32;
+  const __mmask32 tail_mask = tail ? static_cast<__mmask32>((1u << tail) - 1) : 0;
+  for (int64_t n = begin; n < end; n += kDotOutputs) {
+    const int64_t outs = std::min<int64_t>(kDotOutputs, end - n);
+    __m512 acc[R][kDotOutputs];
+    for (int64_t r = 0; r < R; ++r)
+      for (int64_t o = 0; o < kDotOutputs; ++o) acc[r][o] = _mm512_setzero_ps();
+    const uint16_t* wn = w + n * K;
+    int64_t k = 0;
+    if (outs == kDotOutputs) {
+      for (; k + 32 <= K; k += 32) {
+        __m512i wv[kDotOutputs];
+        for (int64_t o = 0; o < kDotOutputs; ++o) wv[o] = _mm512_loadu_si512(wn + o * K + k);
+        for (int64_t r = 0; r < R; ++r) {
+          const __m512bh xv = (__m512bh)_mm512_loadu_si512(x + r * K + k);
+          for (int64_t o = 0; o < kDotOutputs; ++o) acc[r][o] = _mm512_dpbf16_ps(acc[r][o], xv, (__m512bh)wv[o]);
+        }
+      }
+    }
+    // The last features of a claim (fewer than kDotOutputs) and K's tail: masked, one by one.
+    for (int64_t o = 0; o < outs; ++o) {
+      for (int64_t kk = (outs == kDotOutputs ? k : 0); kk < K; kk += 32) {
+        const __mmask32 m = kk + 32 <= K ? static_cast<__mmask32>(~0u) : tail_mask;
+        const __m512i wv = _mm512_maskz_loadu_epi16(m, wn + o * K + kk);
+        for (int64_t r = 0; r < R; ++r)
+          acc[r][o] = _mm512_dpbf16_ps(acc[r][o], (__m512bh)_mm512_maskz_loadu_epi16(m, x + r * K + kk), (__m512bh)wv);
+      }
+      for (int64_t r = 0; r < R; ++r) y[r * N + n + o] = _mm512_reduce_add_ps(acc[r][o]);
+    }
+  }
+}
+
+// x [M, K] float32, M <= kDotMaxRows; weight [N, K] bf16 -> [M, N] float32: x rounded to
+// bf16 once, then passes of up to kDotRows rows, each streaming W once, the output
+// features claimed by the threads a few at a time.
+at::Tensor bf16_dot_linear(const at::Tensor& x, const at::Tensor& weight) {
+  const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
+  const at::Tensor xb = x.to(at::kBFloat16).contiguous();
+  const at::Tensor w = weight.contiguous();
+  at::Tensor y = at::empty({M, N}, x.options().dtype(at::kFloat));
+  const auto* xp = reinterpret_cast<const uint16_t*>(xb.data_ptr<at::BFloat16>());
+  const auto* wp = reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>());
+  float* yp = y.data_ptr<float>();
+  for (int64_t r = 0; r < M; r += kDotRows) {
+    const int64_t rows = std::min(kDotRows, M - r);
+    modserve::parallel_claims(N, kDotClaim, [&](int64_t begin, int64_t end) {
+      const uint16_t* xr = xp + r * K;
+      float* yr = yp + r * N;
+      switch (rows) {
+        case 1: dot_rows<1>(xr, wp, yr, K, N, begin, end); break;
+        case 2: dot_rows<2>(xr, wp, yr, K, N, begin, end); break;
+        case 3: dot_rows<3>(xr, wp, yr, K, N, begin, end); break;
+        default: dot_rows<4>(xr, wp, yr, K, N, begin, end); break;
+      }
+    });
+  }
+  return y;
+}
+#else
+constexpr bool kHaveDot = false;
+constexpr int64_t kDotMaxRows = 0;
+at::Tensor bf16_dot_linear(const at::Tensor& x, const at::Tensor&) {
+  TORCH_CHECK(false, "bf16_dot_linear: built for a CPU without AVX512-BF16");
+  return x;
+}
+#endif
+
+// y = x @ W.T (+ b) for float32 rows x and bfloat16 weights W, with x rounded to bf16 (as a
+// bf16 model's activations are) and float32 sums: up to kDotMaxRows rows through the
+// vdpbf16ps kernel above where the CPU has AVX512-BF16 (float32 out), more through
+// oneDNN's bf16 GEMM, on AMX tiles where present (its output rounded to bf16 and widened);
+// the bias added in float32. The route for every row count on CPUs with AMX
+// (modserve/plugins/platforms/cpu/features.py).
+at::Tensor bf16_gemm_linear(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(weight.scalar_type() == at::kBFloat16 && x.dim() == 2 && x.size(1) == weight.size(1),
+              "bf16_gemm_linear: x [M, K], bf16 weight [N, K]");
+  at::Tensor y = kHaveDot && x.size(0) <= kDotMaxRows ? bf16_dot_linear(x, weight)
+                                                       : at::mm(x.to(at::kBFloat16), weight.t()).to(at::kFloat);
+  if (bias.has_value() && bias->defined()) y.add_(*bias);
+  return y;
+}
+
+bool bf16_dot_built() { return kHaveDot; }
+
 }  // namespace
 
 TORCH_LIBRARY(modserve_cpu, m) {
   m.def("bf16_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
   m.def("few_rows_linear(Tensor x, Tensor weight, Tensor decode_weight, Tensor? packed_weight, Tensor? bias) -> Tensor");
   m.def("panel_linear(Tensor x, Tensor panels, int out_features, Tensor? bias) -> Tensor");
+  m.def("bf16_gemm_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
+  m.def("bf16_dot_linear(Tensor x, Tensor weight) -> Tensor");
+  m.def("bf16_dot_built() -> bool");
+  m.impl("bf16_gemm_linear", c10::DispatchKey::CPU, TORCH_FN(bf16_gemm_linear));
+  m.impl("bf16_dot_linear", c10::DispatchKey::CPU, TORCH_FN(bf16_dot_linear));
+  m.impl("bf16_dot_built", c10::DispatchKey::CatchAll, TORCH_FN(bf16_dot_built));
   m.impl("bf16_linear", c10::DispatchKey::CPU, TORCH_FN(bf16_linear));
   m.impl("panel_linear", c10::DispatchKey::CPU, TORCH_FN(panel_linear));
   // every backend: a oneDNN-packed weight makes a call dispatch as MkldnnCPU, not CPU

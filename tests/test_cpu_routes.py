@@ -1,0 +1,145 @@
+"""The CPU's linear routes for a bfloat16 checkpoint (modserve/plugins/platforms/cpu/features.py):
+which one each CPU family takes, and each route's products against a reference, forced on
+whatever CPU runs the tests (a route a CPU lacks the instructions for is skipped, saying so)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from modserve import LLM, SamplingParams
+from modserve.plugins.platforms.cpu.features import cpu_features, parse_cpuinfo
+from modserve.plugins.platforms.cpu.linear import load_few_rows_kernel
+from modserve.plugins.platforms.cpu.native_decode import NativeDecodeStep
+from modserve.testing import cached_checkpoint
+
+EMERALD_RAPIDS = """processor\t: 0
+model name\t: Intel(R) Xeon(R) Platinum 8592+
+flags\t\t: fpu sse2 avx2 fma avx512f avx512_vnni avx512_bf16 avx512_fp16 amx_bf16 amx_tile amx_int8
+processor\t: 1
+model name\t: ignored, the first processor's counts
+flags\t\t: avx2
+"""
+ZEN4 = "model name\t: AMD EPYC 9R14 96-Core Processor\nflags\t\t: avx2 avx512f avx512_vnni avx512_bf16\n"
+HASWELL = "model name\t: Intel(R) Xeon(R) CPU E5-2680 v3\nflags\t\t: avx avx2 fma\n"
+
+
+def test_each_cpu_family_gets_its_route_and_a_name_a_figure_can_carry():
+    spr = parse_cpuinfo(EMERALD_RAPIDS)
+    assert spr.model == "Intel(R) Xeon(R) Platinum 8592+"
+    assert spr.describe() == ("Intel(R) Xeon(R) Platinum 8592+ (avx2 avx512f avx512_vnni avx512_bf16 avx512_fp16 "
+                              "amx_bf16 amx_int8)")
+    assert spr.default_route() == "bf16_gemm"
+    assert parse_cpuinfo(ZEN4).default_route() == "few_rows"
+    assert parse_cpuinfo(HASWELL).default_route() == "few_rows"
+    assert parse_cpuinfo(HASWELL).describe() == "Intel(R) Xeon(R) CPU E5-2680 v3 (avx2)"
+    assert parse_cpuinfo("").describe() == "unknown CPU (no vector extensions we use)"
+
+
+def test_forced_flags_replace_the_cpus_and_unknown_ones_are_refused(monkeypatch):
+    cpu_features.cache_clear()
+    try:
+        monkeypatch.setenv("MODSERVE_CPU_FLAGS", "avx2 amx_bf16")
+        assert cpu_features().flags == {"avx2", "amx_bf16"} and cpu_features().default_route() == "bf16_gemm"
+        cpu_features.cache_clear()
+        monkeypatch.setenv("MODSERVE_CPU_FLAGS", "avx2 amx")
+        with pytest.raises(ValueError, match=r"MODSERVE_CPU_FLAGS: unknown \['amx'\]; known: avx2 avx512f"):
+            cpu_features()
+    finally:
+        cpu_features.cache_clear()
+
+
+def _kernels():
+    if not load_few_rows_kernel():
+        pytest.skip("the CPU kernels cannot be built here (the log says why)")
+
+
+def _reference(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x rounded to bf16, times bf16 weights, summed in float64."""
+    return x.bfloat16().double() @ w.double().t()
+
+
+@pytest.mark.parametrize("n, k", [(1280, 768), (37, 100), (5, 32), (9, 70)])
+def test_the_avx512_bf16_dot_kernel_equals_a_reference_product(n, k):
+    _kernels()
+    if not torch.ops.modserve_cpu.bf16_dot_built():
+        pytest.skip(f"{cpu_features().model} has no AVX512-BF16: the dot kernel is not built for it")
+    g = torch.Generator().manual_seed(n * k)
+    w = (torch.randn(n, k, generator=g) * 0.05).bfloat16()
+    for m in (1, 2, 3, 4, 5):
+        x = torch.randn(m, k, generator=g)
+        y = torch.ops.modserve_cpu.bf16_dot_linear(x, w)
+        assert y.dtype == torch.float32 and y.shape == (m, n)
+        torch.testing.assert_close(y.double(), _reference(x, w), atol=2e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("m", [1, 2, 3, 17, 64])
+def test_the_bf16_gemm_route_equals_a_reference_product_at_every_row_count(m):
+    """Up to two rows the dot kernel (where built), more oneDNN's bf16 GEMM, whose output is
+    rounded to bf16: both within a bf16 rounding of the float64 product, bias in float32."""
+    _kernels()
+    g = torch.Generator().manual_seed(m)
+    w = (torch.randn(96, 160, generator=g) * 0.05).bfloat16()
+    x, bias = torch.randn(m, 160, generator=g), torch.randn(96, generator=g)
+    y = torch.ops.modserve_cpu.bf16_gemm_linear(x, w, bias)
+    expected = _reference(x, w) + bias.double()
+    assert y.dtype == torch.float32
+    torch.testing.assert_close(y.double(), expected, atol=1e-2, rtol=8e-3)
+
+
+@pytest.fixture(scope="module")
+def bf16_path():
+    return str(cached_checkpoint("llama", "tiny", dtype="bfloat16"))
+
+
+def _llm(path: str, route: str, **kw) -> LLM:
+    return LLM(path, num_kv_blocks=128, progress=False, platform={"name": "cpu", "options": {"bf16_gemm": route}},
+               **kw)
+
+
+@torch.inference_mode()
+def test_the_bf16_gemm_route_keeps_bf16_weights_decodes_natively_and_tracks_float32(bf16_path, caplog):
+    """Forced on: the linears hold bf16 weights only (the tied or untied head included), steps
+    of decodes run natively without compile, and the prompt's logits stay within bf16's
+    rounding of transformers' float32 ones."""
+    _kernels()
+    with caplog.at_level("INFO", logger="modserve"):
+        llm = _llm(bf16_path, "on", compile="off")
+    assert "linears read the checkpoint's bfloat16 weights through oneDNN's bf16 GEMM" in caplog.text
+    model = llm.engine.runner.model
+    assert model.lm_head.weight.dtype == torch.bfloat16
+    assert all(layer.self_attn.qkv_proj.weight.dtype == torch.bfloat16 for layer in model.layers)
+    assert model.embed_tokens.weight.dtype == torch.float32
+    assert isinstance(llm.engine.runner.step_forward, NativeDecodeStep)
+    prompt = [11, 250, 37, 902, 14, 3, 77, 1200]
+    params = SamplingParams(temperature=0.0, max_tokens=1, logprobs=5)
+    ours = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0]
+    hf = AutoModelForCausalLM.from_pretrained(bf16_path, dtype=torch.float32).eval()
+    logprobs = torch.log_softmax(hf(torch.tensor([prompt])).logits[0, -1].float(), -1)
+    top = ours.logprobs[0]["top"]
+    assert len(top) == 5
+    for token, logprob in top.items():
+        assert abs(logprob - logprobs[token].item()) < 0.05, (token, logprob, logprobs[token].item())
+
+
+def test_routes_forced_off_and_by_cpu_flags(bf16_path, monkeypatch):
+    """off: float32 weights with a bf16 decode copy (the few-rows route); auto follows the
+    CPU's flags, here forced to a Zen 4's and to an AMX CPU's; dtype float32 or a float32
+    checkpoint never take the bf16 route, and asking for it there is refused."""
+    off = _llm(bf16_path, "off", compile="on")
+    layer = off.engine.runner.model.layers[0].mlp.down_proj
+    assert layer.weight.dtype == torch.float32 and layer.decode_weight.dtype == torch.bfloat16
+    cpu_features.cache_clear()
+    try:
+        for flags, dtype in (("avx2 avx512f avx512_bf16", torch.float32), ("avx2 avx512f amx_bf16", torch.bfloat16)):
+            monkeypatch.setenv("MODSERVE_CPU_FLAGS", flags)
+            cpu_features.cache_clear()
+            llm = _llm(bf16_path, "auto", compile="off")
+            assert llm.engine.runner.model.layers[0].mlp.down_proj.weight.dtype == dtype, flags
+        exact = _llm(bf16_path, "auto", dtype="float32", compile="off")
+        assert exact.engine.runner.model.layers[0].mlp.down_proj.weight.dtype == torch.float32
+    finally:
+        cpu_features.cache_clear()
+    with pytest.raises(Exception, match=r"bf16_gemm: on, but the checkpoint is float32, not bfloat16"):
+        _llm(str(cached_checkpoint("llama", "tiny")), "on")
