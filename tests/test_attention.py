@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import subprocess
 import sys
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -336,6 +337,28 @@ def test_paged_cpu_kernel_shapes(heads, head_dim: int, block_size: int, q_scale:
     out, cache = run_backend("paged", case)
     torch.testing.assert_close(out.double(), naive_attention(case), rtol=0, atol=1e-5)
     check_cache(case, cache)
+
+
+@pytest.mark.parametrize("cpu_kernel", [True, False], ids=["kernel", "torch"])
+@pytest.mark.parametrize("seqs", [MIXED, [((i * 37) % 90, 1) for i in range(20)] + [(5, 7)]],
+                         ids=["mixed", "decode-groups-mixed"])
+def test_paged_reads_a_bf16_cache_under_float32_compute(cpu_kernel: bool, seqs) -> None:
+    """The CPU's bf16_gemm route: float32 queries over a bf16 cache, written rounded and read
+    widened, by the C++ kernel and by the torch path. With every key and value a bf16 value
+    already, the result is float32 attention over exactly those values."""
+    case = make_case(seqs, block_size=4, num_heads=8, num_kv_heads=2, seed=11)
+    for t in (case.k, case.v, case.slots, *case.ctx_k, *case.ctx_v):
+        t.copy_(t.bfloat16().float())
+    spec = dataclasses.replace(case.spec, kv_cache_dtype=torch.bfloat16)
+    backend = PagedAttention(spec, PagedOptions(cpu_kernel=cpu_kernel))
+    assert backend.kv_cache_problem() is None and backend.kernel == cpu_kernel
+    cache = backend_cache(backend, case).bfloat16()
+    out = backend.forward(case.q, case.k, case.v, cache, case.meta, backend.prepare(case.meta))
+    assert cache.dtype == torch.bfloat16 and out.dtype == torch.float32
+    torch.testing.assert_close(out.double(), naive_attention(case), rtol=0, atol=1e-5)
+    check_cache(case, slot_view(backend, cache).float())
+    half = dataclasses.replace(case.spec, dtype=torch.float16, kv_cache_dtype=torch.bfloat16)
+    assert "not torch.bfloat16 under torch.float16" in PagedAttention(half).kv_cache_problem()
 
 
 def test_kernel_build_failure_falls_back_and_says_why(monkeypatch, caplog) -> None:

@@ -74,9 +74,9 @@ def test_the_avx512_bf16_dot_kernel_equals_a_reference_product(n, k):
         torch.testing.assert_close(y.double(), _reference(x, w), atol=2e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("m", [1, 2, 3, 17, 64])
+@pytest.mark.parametrize("m", [1, 3, 4, 17, 64])
 def test_the_bf16_gemm_route_equals_a_reference_product_at_every_row_count(m):
-    """Up to two rows the dot kernel (where built), more oneDNN's bf16 GEMM, whose output is
+    """Up to three rows the dot kernel (where built), more oneDNN's bf16 GEMM, whose output is
     rounded to bf16: both within a bf16 rounding of the float64 product, bias in float32."""
     _kernels()
     g = torch.Generator().manual_seed(m)
@@ -112,6 +112,7 @@ def test_the_bf16_gemm_route_keeps_bf16_weights_decodes_natively_and_tracks_floa
     assert all(layer.self_attn.qkv_proj.weight.dtype == torch.bfloat16 for layer in model.layers)
     assert model.embed_tokens.weight.dtype == torch.float32
     assert isinstance(llm.engine.runner.step_forward, NativeDecodeStep)
+    assert llm.engine.runner.kv_caches[0].dtype == torch.bfloat16  # kv_cache_dtype auto: vLLM's bf16 KV
     prompt = [11, 250, 37, 902, 14, 3, 77, 1200]
     params = SamplingParams(temperature=0.0, max_tokens=1, logprobs=5)
     ours = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0]
@@ -139,6 +140,10 @@ def test_routes_forced_off_and_by_cpu_flags(bf16_path, monkeypatch):
             assert llm.engine.runner.model.layers[0].mlp.down_proj.weight.dtype == dtype, flags
         exact = _llm(bf16_path, "auto", dtype="float32", compile="off")
         assert exact.engine.runner.model.layers[0].mlp.down_proj.weight.dtype == torch.float32
+        assert exact.engine.runner.kv_caches[0].dtype == torch.float32
+        # a backend that cannot read the route's bf16 KV gets the compute dtype's
+        reference = _llm(bf16_path, "on", compile="off", attention_backend="reference")
+        assert reference.engine.runner.kv_caches[0].dtype == torch.float32
     finally:
         cpu_features.cache_clear()
     with pytest.raises(Exception, match=r"bf16_gemm: on, but the checkpoint is float32, not bfloat16"):

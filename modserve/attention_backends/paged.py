@@ -9,7 +9,8 @@ swaps require.)
 
 A step's batch splits into two groups:
 
-- decodes (one new token each): on a CPU in float32, one call of a C++ kernel
+- decodes (one new token each): on a CPU in float32 (over a float32 or bf16 cache), one
+  call of a C++ kernel
   (``csrc/paged_decode.cpp``, built on first use by :func:`modserve.api.load_kernel`)
   that reads each sequence's blocks in
   place, one task per (sequence, KV head). Elsewhere, or
@@ -36,6 +37,9 @@ the fused flash kernel (3-D inputs fall back to the math path, which repeats KV
 heads). Decodes in bfloat16/float16 are computed in float32 (KV converted after it
 is gathered), on every device: on CPU because PyTorch's reduced-precision matmuls are
 several times slower there unless the CPU has native bf16 support.
+
+A bf16 cache under float32 compute (the CPU's ``bf16_gemm`` route) stores each key and
+value rounded to bf16 and is read widened to float32: half the bytes a decode reads.
 
 An fp8 (e4m3) cache holds ``k / k_scale`` and ``v / v_scale``. Attention reads it
 unscaled, in float32, with ``k_scale`` folded into the softmax scale and ``v_scale``
@@ -127,13 +131,15 @@ class PagedAttention(AttentionBackend):
         # (softmax scale, factor on the output): the fp8 cache's scales folded in
         self._scales = (spec.scale * spec.k_scale, spec.v_scale) if self.fp8 else (spec.scale, 1.0)
         self.kernel = (self.options.cpu_kernel and spec.device.type == "cpu" and spec.dtype == torch.float32
-                       and spec.kv_cache_dtype == torch.float32 and spec.head_dim % 8 == 0
+                       and spec.kv_cache_dtype in (torch.float32, torch.bfloat16) and spec.head_dim % 8 == 0
                        and load_kernel("modserve_paged_decode", str(DECODE_KERNEL)) is None)
 
     def kv_cache_problem(self) -> str | None:
-        if self.spec.kv_cache_dtype in (self.spec.dtype, FP8):
+        s = self.spec
+        if s.kv_cache_dtype in (s.dtype, FP8) or (s.kv_cache_dtype == torch.bfloat16 and s.dtype == torch.float32):
             return None
-        return f"paged reads a KV cache in the compute dtype or float8_e4m3fn, not {self.spec.kv_cache_dtype}"
+        return (f"paged reads a KV cache in the compute dtype, float8_e4m3fn, or bfloat16 under float32 "
+                f"compute, not {s.kv_cache_dtype} under {s.dtype}")
 
     def kv_cache_shape(self, num_blocks: int) -> tuple[int, ...]:
         """``[2, num_blocks, Hkv, block_size, D]``: head-major blocks (see the module docstring)."""
@@ -227,9 +233,9 @@ class PagedAttention(AttentionBackend):
             # as raw bytes: index_copy_ has no float8 kernel on CPU
             key_cache.view(torch.uint8).index_copy_(0, state.write_rows, k.view(torch.uint8).reshape(-1, d))
             value_cache.view(torch.uint8).index_copy_(0, state.write_rows, v.view(torch.uint8).reshape(-1, d))
-        else:
-            key_cache.index_copy_(0, state.write_rows, k.reshape(-1, d))  # [T * Hkv, D], rows (t, h)
-            value_cache.index_copy_(0, state.write_rows, v.reshape(-1, d))
+        else:  # [T * Hkv, D], rows (t, h), rounded to a bf16 cache's dtype where it is one
+            key_cache.index_copy_(0, state.write_rows, k.reshape(-1, d).to(key_cache.dtype))
+            value_cache.index_copy_(0, state.write_rows, v.reshape(-1, d).to(value_cache.dtype))
 
         kd = state.kernel_decodes
         if kd is not None and kd.rows is None:
@@ -254,6 +260,8 @@ class PagedAttention(AttentionBackend):
                 values = self._gather("v", kv_cache[1], p.kv_rows).view(1, s.num_kv_heads, -1, d)
             if self.fp8:
                 keys, values, q_p = self._float("k", keys), self._float("v", values), q_p.float()
+            elif keys.dtype != q_p.dtype:  # a bf16 cache under float32 compute
+                keys, values = keys.to(q_p.dtype), values.to(q_p.dtype)
             if p.kv_rows is not None:
                 keys, values = keys[:, :, : p.seq_len], values[:, :, : p.seq_len]  # [1, Hkv, L, D]
             o = F.scaled_dot_product_attention(
@@ -283,7 +291,7 @@ class PagedAttention(AttentionBackend):
         dtype = q.dtype
         if self.fp8:
             keys, values = self._float("k", keys), self._float("v", values)
-        elif dtype in (torch.bfloat16, torch.float16):
+        elif keys.dtype in (torch.bfloat16, torch.float16):
             keys = self._buffer("k32", keys.shape, torch.float32, keys.device).copy_(keys)
             values = self._buffer("v32", values.shape, torch.float32, values.device).copy_(values)
         # Everything in float32 from here. Query head h reads KV head h // G (as HF's

@@ -228,8 +228,8 @@ def _llamacpp_runner(args: argparse.Namespace, llm: Any) -> Any:
 def _add_vllm_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--baseline-python", metavar="PATH",
                    help="the Python that runs the vllm baseline (default: this one); it must have vLLM")
-    p.add_argument("--vllm-dtype", choices=["bfloat16", "float16", "float32"],
-                   help="the vllm baseline's dtype (default: the one modserve's engine runs)")
+    p.add_argument("--vllm-dtype", choices=["auto", "bfloat16", "float16", "float32"], default="auto",
+                   help="the vllm baseline's dtype (default: auto, vLLM's own default: a bf16 checkpoint in bf16)")
 
 
 # -- offline ---------------------------------------------------------------------------
@@ -244,7 +244,9 @@ def _header(llm: Any, pinning: str) -> list[str]:
     import torch
 
     cfg = llm.config
-    return [f"model: {cfg.model} ({str(llm.engine.dtype).removeprefix('torch.')}, device {cfg.device})",
+    dtype, gemm = str(llm.engine.dtype).removeprefix("torch."), _gemm_dtype(llm)
+    dtypes = dtype if gemm == dtype else f"{dtype} activations, {gemm} linears"
+    return [f"model: {cfg.model} ({dtypes}, device {cfg.device})",
             f"engine: attention {cfg.attention_backend.name}, kv_allocator {cfg.kv_allocator.name}, "
             f"scheduler {cfg.scheduler.name}, max_num_seqs {cfg.max_num_seqs}",
             f"machine: {platform.processor() or platform.machine()}, torch {torch.__version__}, {pinning}",
@@ -261,7 +263,7 @@ def _workload_line(args: argparse.Namespace, requests: Sequence[Any]) -> str:
 def _vllm_runner(args: argparse.Namespace, llm: Any, max_model_len: int, log_stats: bool = False) -> Any:
     from modserve.bench.vllm_baseline import VLLMRunner
 
-    dtype = args.vllm_dtype or str(llm.engine.dtype).removeprefix("torch.")
+    dtype = args.vllm_dtype
     caching = bool(getattr(llm.engine.allocator, "caching", False))  # as modserve's KV allocator does
     return VLLMRunner(args.baseline_python, llm.config.model, dtype, max_model_len, caching, log_stats)
 

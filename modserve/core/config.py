@@ -57,9 +57,9 @@ class EngineConfig(BaseModel):
         "quantization_config.quant_method, else none")
     max_model_len: int | None = Field(None, gt=0, description="Default: the model's max_position_embeddings")
     block_size: int = Field(16, gt=0, description="Tokens per KV block")
-    kv_cache_dtype: Literal["auto", "fp8_e4m3"] = Field(
-        "auto", description="KV cache values: auto (the compute dtype) or fp8_e4m3 (vLLM's fp8) with "
-        "per-tensor scales")
+    kv_cache_dtype: Literal["auto", "bfloat16", "fp8_e4m3"] = Field(
+        "auto", description="KV cache values: auto (the compute dtype, or the platform's choice: the CPU's "
+        "bf16_gemm route keeps bf16), bfloat16, or fp8_e4m3 (vLLM's fp8) with per-tensor scales")
     kv_cache_memory_gb: float | None = Field(None, gt=0, description="KV cache size; wins over the fraction")
     kv_cache_memory_fraction: float = Field(0.2, gt=0, le=0.95, description="Fraction of free memory for KV")
     num_kv_blocks: int | None = Field(None, gt=0, description="Exact block count (overrides both sizes)")

@@ -749,6 +749,11 @@ class Platform(ABC):
         """The hardware and the kernel routes it takes, for a benchmark's header. Default: the device."""
         return str(self.device)
 
+    def auto_kv_cache_dtype(self, compute: torch.dtype, checkpoint: torch.dtype, dtype_setting: str) -> torch.dtype:
+        """What ``kv_cache_dtype: auto`` stores, where the attention backend can read it (else the
+        compute dtype). Default: the compute dtype."""
+        return compute
+
     @abstractmethod
     def resolve_dtype(self, name: str, checkpoint: torch.dtype) -> torch.dtype:
         """The compute dtype for ``dtype: name``: that dtype, or for ``auto`` this device's

@@ -144,7 +144,13 @@ class ModelRunner:
             device=self.device,
             kv_cache_dtype=kv_cache_dtype(config.kv_cache_dtype, dtype),
         )
+        if config.kv_cache_dtype == "auto":
+            self.attn_spec.kv_cache_dtype = self.platform.auto_kv_cache_dtype(
+                dtype, checkpoint_dtype(hf_config), config.dtype)
         self.attn = registry.create("attention_backend", config.attention_backend, self.attn_spec)
+        if config.kv_cache_dtype == "auto" and self.attn.kv_cache_problem():  # the platform's pick: not here
+            self.attn_spec.kv_cache_dtype = dtype
+            self.attn = registry.create("attention_backend", config.attention_backend, self.attn_spec)
         if problem := self.attn.kv_cache_problem():
             raise ValueError(f"kv_cache_dtype {config.kv_cache_dtype}: attention backend "
                              f"{config.attention_backend.name!r} cannot use it: {problem}")
@@ -209,7 +215,7 @@ class ModelRunner:
                 scales[kind].append(float(tensor.float().max()))
                 continue
             yield name, tensor
-        if self.attn_spec.kv_cache_dtype != self.dtype and scales["k_scale"]:
+        if self.attn_spec.kv_cache_dtype.itemsize == 1 and scales["k_scale"]:  # an fp8 cache's scales
             self.attn_spec.k_scale, self.attn_spec.v_scale = max(scales["k_scale"]), max(scales["v_scale"])
             logger.info("KV cache scales from the checkpoint: k %g, v %g",
                         self.attn_spec.k_scale, self.attn_spec.v_scale)

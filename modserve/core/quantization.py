@@ -18,7 +18,7 @@ from modserve.core.interfaces import Quantizer
 from modserve.core.linear import default_dtype, linear_factory, planned_model_bytes
 from modserve.core.registry import Registry
 
-KV_CACHE_DTYPES = {"fp8_e4m3": torch.float8_e4m3fn}
+KV_CACHE_DTYPES = {"bfloat16": torch.bfloat16, "fp8_e4m3": torch.float8_e4m3fn}
 
 
 def checkpoint_quant_config(hf_config: Any) -> dict[str, Any] | None:

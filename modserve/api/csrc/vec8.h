@@ -1,5 +1,6 @@
-// Eight-float vectors for the C++ CPU kernels (GCC/Clang vector extensions): loads, stores,
-// a horizontal sum and e^x, shared by the decode attention kernel and the native decode step.
+// Eight-float vectors for the C++ CPU kernels (GCC/Clang vector extensions): loads (of
+// float32 or bf16), stores, a horizontal sum and e^x, shared by the decode attention kernel
+// and the native decode step.
 
 #pragma once
 
@@ -15,6 +16,27 @@ inline v8 load8(const float* p) {
   v8 r;
   std::memcpy(&r, p, sizeof r);
   return r;
+}
+
+// Eight bfloat16 values (their raw 16-bit patterns) widened to float32, exactly: a bf16 is
+// the top half of a float32. The overload lets a kernel read a float32 or a bf16 cache alike.
+inline v8 load8(const uint16_t* p) {
+  typedef uint16_t u16x8 __attribute__((vector_size(16)));
+  typedef uint32_t u32x8 __attribute__((vector_size(32)));
+  u16x8 h;
+  std::memcpy(&h, p, sizeof h);
+  const u32x8 w = __builtin_convertvector(h, u32x8) << 16;
+  v8 r;
+  std::memcpy(&r, &w, sizeof r);
+  return r;
+}
+
+// float32 -> bfloat16's bit pattern, rounded to nearest even as torch rounds (NaN stays NaN).
+inline uint16_t to_bf16(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, sizeof u);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40u);
+  return static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
 }
 
 inline float hsum(v8 v) {  // a tree, not a chain of seven dependent adds

@@ -1,4 +1,5 @@
-// Decode attention straight from a paged KV cache, float32, on the CPU.
+// Decode attention straight from a paged KV cache of float32 or bf16 values, in float32, on
+// the CPU.
 //
 // One task per (sequence, KV head): its G = H / Hkv query heads score every cached key
 // of that head block by block, in place (no gather into a padded copy), softmax each
@@ -11,7 +12,9 @@
 // time, and the values go into up to 4 query rows x 16 dimensions of accumulators. A
 // sequence's blocks lie anywhere in the pool, so the next block is prefetched (into L2)
 // while one is read: no hardware prefetcher can guess it. 64 decodes of ~170 tokens read
-// their KV at 13.6-15 GB/s on a 2-core Zen 4 VM, where the weights stream at ~30.
+// their KV at 13.6-15 GB/s on a 2-core Zen 4 VM, where the weights stream at ~30. A bf16
+// cache (the CPU's bf16_gemm route) is read the same way, each value widened as it is loaded:
+// half the bytes, the same float32 arithmetic.
 //
 // Registered as torch.ops.modserve_paged.decode (built by modserve/plugins/platforms/cpu/kernels.py).
 
@@ -37,8 +40,12 @@ using modserve::load8;
 using modserve::store8;
 using modserve::v8;
 
+// A cache value: float32, or bf16 as its raw 16-bit pattern (load8 widens either).
+using bf16_bits = uint16_t;
+
 // out[g] = q[g] . k for the G query rows q (each D long, D a multiple of 8): one key.
-inline void dots(const float* __restrict q, const float* __restrict k, int64_t G, int64_t D, float* out) {
+template <class C>
+inline void dots(const float* __restrict q, const C* __restrict k, int64_t G, int64_t D, float* out) {
   for (int64_t g = 0; g < G; ++g) {
     const float* qg = q + g * D;
     v8 a = {}, c = {};
@@ -67,7 +74,8 @@ inline v8 hsum8(const v8* a) {
 }
 
 // s * (q . k_j) for the eight keys k_0..7 (rows D apart) and one query row q, into out[0..7].
-inline void dots8(const float* __restrict q, const float* __restrict k, int64_t D, float s, float* out) {
+template <class C>
+inline void dots8(const float* __restrict q, const C* __restrict k, int64_t D, float s, float* out) {
   v8 a[8] = {};
   for (int64_t d = 0; d < D; d += 8) {
     const v8 qv = load8(q + d);
@@ -80,14 +88,15 @@ inline void dots8(const float* __restrict q, const float* __restrict k, int64_t 
 // more misses than L1 tracks at once, so prefetches into L1 stalled the loads they ran
 // ahead of. Into L2, 64 decodes of ~170 tokens over 12 layers took 17-19 ms against 24-27
 // (8 decodes: 1.9 against 2.7 ms; one: the same), alternating in one process.
-inline void prefetch_block(const float* p, int64_t n) {
-  for (int64_t i = 0; i < n; i += 16) __builtin_prefetch(p + i, 0, 1);
+template <class C>
+inline void prefetch_block(const C* p, int64_t n) {
+  for (int64_t i = 0; i < n; i += 64 / sizeof(C)) __builtin_prefetch(p + i, 0, 1);
 }
 
 // acc[g] (W vectors of 8) += sum over the block's n keys of p[g][t] * v_t, for GC query
 // rows at once: their 2 * GC accumulators stay in registers while the values stream by.
-template <int GC, int W>
-inline void weighted_values(const float* __restrict p, int64_t p_stride, const float* __restrict v, int64_t D,
+template <int GC, int W, class C>
+inline void weighted_values(const float* __restrict p, int64_t p_stride, const C* __restrict v, int64_t D,
                             int64_t n, v8 (&acc)[4][2]) {
   for (int64_t t = 0; t < n; ++t) {
     v8 x[W];
@@ -100,8 +109,8 @@ inline void weighted_values(const float* __restrict p, int64_t p_stride, const f
   }
 }
 
-template <int W>
-inline void weighted_values(int gc, const float* p, int64_t p_stride, const float* v, int64_t D, int64_t n,
+template <int W, class C>
+inline void weighted_values(int gc, const float* p, int64_t p_stride, const C* v, int64_t D, int64_t n,
                             v8 (&acc)[4][2]) {
   switch (gc) {
     case 1: weighted_values<1, W>(p, p_stride, v, D, n, acc); break;
@@ -111,14 +120,11 @@ inline void weighted_values(int gc, const float* p, int64_t p_stride, const floa
   }
 }
 
-// q [B, H, D]; key_cache, value_cache [num_blocks, Hkv, block_size, D];
+// q [B, H, D]; key_cache, value_cache [num_blocks, Hkv, block_size, D] of C;
 // block_tables [B, max_blocks] int64; seq_lens [B] int64 (keys 0..len-1 are attended).
-at::Tensor decode(const at::Tensor& q, const at::Tensor& key_cache, const at::Tensor& value_cache,
-                  const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale) {
-  TORCH_CHECK(q.device().is_cpu(), "modserve_paged.decode: CPU tensors only");
-  TORCH_CHECK(q.scalar_type() == at::kFloat && key_cache.scalar_type() == at::kFloat &&
-                  value_cache.scalar_type() == at::kFloat,
-              "modserve_paged.decode: float32 queries and cache only");
+template <class C>
+at::Tensor decode_cache(const at::Tensor& q, const at::Tensor& key_cache, const at::Tensor& value_cache,
+                        const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale) {
   TORCH_CHECK(q.dim() == 3 && key_cache.dim() == 4 && key_cache.sizes() == value_cache.sizes(),
               "modserve_paged.decode: q [B, H, D], caches [blocks, Hkv, block_size, D]");
   TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous(), "modserve_paged.decode: contiguous caches");
@@ -134,14 +140,14 @@ at::Tensor decode(const at::Tensor& q, const at::Tensor& key_cache, const at::Te
   at::Tensor out = at::empty_like(qc);
 
   const float* qp = qc.data_ptr<float>();
-  const float* kp = key_cache.data_ptr<float>();
-  const float* vp = value_cache.data_ptr<float>();
+  const C* kp = static_cast<const C*>(key_cache.data_ptr());
+  const C* vp = static_cast<const C*>(value_cache.data_ptr());
   const int64_t* tp = tables.data_ptr<int64_t>();
   const int64_t* lp = lens.data_ptr<int64_t>();
   float* op = out.data_ptr<float>();
   const float s = static_cast<float>(scale);
   // Where sequence b's block number i (of its table) holds KV head h, in a cache half.
-  auto block_at = [&](const float* cache, int64_t b, int64_t i, int64_t h) {
+  auto block_at = [&](const C* cache, int64_t b, int64_t i, int64_t h) {
     return cache + (tp[b * max_blocks + i] * Hkv + h) * block_size * D;
   };
 
@@ -161,7 +167,7 @@ at::Tensor decode(const at::Tensor& q, const at::Tensor& key_cache, const at::Te
       // Scores: eight keys at a time against each query row (the keys stay in L1 for the
       // next row), a lone key only for a block's tail.
       for (int64_t j0 = 0; j0 < len; j0 += block_size) {
-        const float* kb = block_at(kp, b, j0 / block_size, h);
+        const C* kb = block_at(kp, b, j0 / block_size, h);
         const int64_t n = std::min(block_size, len - j0);
         // The next block (the first value block after the last key block) is elsewhere in
         // memory, where no hardware prefetcher guesses: ask for it one block ahead.
@@ -199,7 +205,7 @@ at::Tensor decode(const at::Tensor& q, const at::Tensor& key_cache, const at::Te
           const int w = D - d0 >= 16 ? 2 : 1;
           v8 acc[4][2] = {};
           for (int64_t j0 = 0; j0 < len; j0 += block_size) {
-            const float* vb = block_at(vp, b, j0 / block_size, h) + d0;
+            const C* vb = block_at(vp, b, j0 / block_size, h) + d0;
             const int64_t n = std::min(block_size, len - j0);
             if (d0 == 0 && j0 + block_size < len) prefetch_block(block_at(vp, b, j0 / block_size + 1, h), block_size * D);
             if (d0 + 16 >= D && j0 == 0 && task + 1 < end)  // the next task's first key block
@@ -217,34 +223,65 @@ at::Tensor decode(const at::Tensor& q, const at::Tensor& key_cache, const at::Te
   return out;
 }
 
-// The backend's forward for a step of T decodes in sequence order, as one op (what a native
-// decode step calls): write k, v [T, Hkv, D] at slot_mapping [T] (-1: nowhere) into
-// kv_cache [2, num_blocks, Hkv, block_size, D], then decode() over it.
-at::Tensor decode_step(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& kv_cache,
-                       const at::Tensor& slot_mapping, const at::Tensor& block_tables, const at::Tensor& seq_lens,
-                       double scale) {
-  TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(0) == 2 && kv_cache.is_contiguous() &&
-                  kv_cache.scalar_type() == at::kFloat && k.scalar_type() == at::kFloat &&
-                  v.scalar_type() == at::kFloat,
-              "modserve_paged.decode_step: float32 k, v and cache [2, blocks, Hkv, block_size, D]");
+// q [B, H, D] float32; key_cache, value_cache [num_blocks, Hkv, block_size, D], both float32
+// or both bf16; block_tables [B, max_blocks] int64; seq_lens [B] int64 -> [B, H, D] float32.
+at::Tensor decode(const at::Tensor& q, const at::Tensor& key_cache, const at::Tensor& value_cache,
+                  const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale) {
+  TORCH_CHECK(q.device().is_cpu(), "modserve_paged.decode: CPU tensors only");
+  const auto cache = key_cache.scalar_type();
+  TORCH_CHECK(q.scalar_type() == at::kFloat && (cache == at::kFloat || cache == at::kBFloat16) &&
+                  value_cache.scalar_type() == cache,
+              "modserve_paged.decode: float32 queries, a float32 or bfloat16 cache");
+  return cache == at::kFloat ? decode_cache<float>(q, key_cache, value_cache, block_tables, seq_lens, scale)
+                             : decode_cache<bf16_bits>(q, key_cache, value_cache, block_tables, seq_lens, scale);
+}
+
+// Row `row` of a cache half: n values of x, stored as the cache holds them.
+inline void store_row(float* cache, int64_t row, const float* x, int64_t n) {
+  std::memcpy(cache + row * n, x, n * sizeof(float));
+}
+inline void store_row(bf16_bits* cache, int64_t row, const float* x, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) cache[row * n + i] = modserve::to_bf16(x[i]);
+}
+
+template <class C>
+void write_kv(const at::Tensor& k, const at::Tensor& v, const at::Tensor& kv_cache, const int64_t* sp) {
   const int64_t T = k.size(0), Hkv = kv_cache.size(2), block_size = kv_cache.size(3), D = kv_cache.size(4);
-  TORCH_CHECK(k.sizes() == v.sizes() && k.size(1) == Hkv && k.size(2) == D && slot_mapping.size(0) == T,
-              "modserve_paged.decode_step: k, v [T, Hkv, D] and one slot per row");
-  const at::Tensor kc = k.contiguous(), vc = v.contiguous(), slots = slot_mapping.to(at::kLong).contiguous();
-  const int64_t* sp = slots.data_ptr<int64_t>();
-  float* key_cache = kv_cache.data_ptr<float>();
-  float* value_cache = key_cache + kv_cache.stride(0);
+  C* key_cache = static_cast<C*>(kv_cache.data_ptr());
+  C* value_cache = key_cache + kv_cache.stride(0);
   const int64_t slot_count = kv_cache.size(1) * block_size;
+  const float* kp = k.data_ptr<float>();
+  const float* vp = v.data_ptr<float>();
   for (int64_t t = 0; t < T; ++t) {
     const int64_t slot = sp[t];
     if (slot < 0) continue;
     TORCH_CHECK(slot < slot_count, "modserve_paged.decode_step: slot beyond the cache");
     for (int64_t h = 0; h < Hkv; ++h) {
       const int64_t row = ((slot / block_size) * Hkv + h) * block_size + slot % block_size;
-      std::memcpy(key_cache + row * D, kc.data_ptr<float>() + (t * Hkv + h) * D, D * sizeof(float));
-      std::memcpy(value_cache + row * D, vc.data_ptr<float>() + (t * Hkv + h) * D, D * sizeof(float));
+      store_row(key_cache, row, kp + (t * Hkv + h) * D, D);
+      store_row(value_cache, row, vp + (t * Hkv + h) * D, D);
     }
   }
+}
+
+// The backend's forward for a step of T decodes in sequence order, as one op (what a native
+// decode step calls): write k, v [T, Hkv, D] at slot_mapping [T] (-1: nowhere) into
+// kv_cache [2, num_blocks, Hkv, block_size, D], then decode() over it.
+at::Tensor decode_step(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& kv_cache,
+                       const at::Tensor& slot_mapping, const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                       double scale) {
+  const auto cache = kv_cache.scalar_type();
+  TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(0) == 2 && kv_cache.is_contiguous() &&
+                  (cache == at::kFloat || cache == at::kBFloat16) && k.scalar_type() == at::kFloat &&
+                  v.scalar_type() == at::kFloat,
+              "modserve_paged.decode_step: float32 k, v and a float32 or bfloat16 cache [2, blocks, Hkv, "
+              "block_size, D]");
+  const int64_t T = k.size(0), Hkv = kv_cache.size(2), D = kv_cache.size(4);
+  TORCH_CHECK(k.sizes() == v.sizes() && k.size(1) == Hkv && k.size(2) == D && slot_mapping.size(0) == T,
+              "modserve_paged.decode_step: k, v [T, Hkv, D] and one slot per row");
+  const at::Tensor kc = k.contiguous(), vc = v.contiguous(), slots = slot_mapping.to(at::kLong).contiguous();
+  if (cache == at::kFloat) write_kv<float>(kc, vc, kv_cache, slots.data_ptr<int64_t>());
+  else write_kv<bf16_bits>(kc, vc, kv_cache, slots.data_ptr<int64_t>());
   return decode(q, kv_cache.select(0, 0), kv_cache.select(0, 1), block_tables, seq_lens, scale);
 }
 

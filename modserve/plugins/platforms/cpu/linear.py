@@ -91,25 +91,38 @@ def bf16_gemm_wanted(setting: str, features: CpuFeatures, dtype_setting: str, co
     """Whether the float linears take the ``bf16_gemm`` route (``setting``: auto, on, off;
     auto: :meth:`CpuFeatures.default_route`); ``on`` where it cannot apply is an error. Logs
     the choice with the CPU it was made for."""
-    problem = None
-    if checkpoint != torch.bfloat16:
-        problem = f"the checkpoint is {str(checkpoint).removeprefix('torch.')}, not bfloat16"
-    elif dtype_setting != "auto" or compute != torch.float32:
-        problem = f"dtype {dtype_setting} asks for {str(compute).removeprefix('torch.')} linears"
+    problem = _bf16_gemm_problem(dtype_setting, compute, checkpoint)
     if setting == "on" and problem:
         raise ValueError(f"platform option bf16_gemm: on, but {problem}")
-    wanted = problem is None and (setting == "on" or (setting == "auto" and features.default_route() == "bf16_gemm"))
+    wanted = bf16_gemm_applies(setting, features, dtype_setting, compute, checkpoint)
     if wanted:
         global _bf16_kernel
         _bf16_kernel = load_few_rows_kernel()
         logger.info("dtype auto on %s: linears read the checkpoint's bfloat16 weights through oneDNN's bf16 "
                     "GEMM (inputs rounded to bf16, float32 accumulation; bf16_gemm %s); norms, attention and "
-                    "the residual stream in float32; dtype float32 keeps every product exact", features.describe(),
+                    "the residual stream in float32, the KV cache in bf16 (kv_cache_dtype auto); dtype float32 "
+                    "keeps every product exact", features.describe(),
                     setting)
     elif problem is None and checkpoint == torch.bfloat16:
         logger.info("dtype auto on %s: bf16_gemm %s: float32 GEMMs, bf16 weights for few-row decode",
                     features.describe(), setting)
     return wanted
+
+
+def bf16_gemm_applies(setting: str, features: CpuFeatures, dtype_setting: str, compute: torch.dtype,
+                      checkpoint: torch.dtype) -> bool:
+    """Whether the ``bf16_gemm`` route applies (:func:`bf16_gemm_wanted`, without its log)."""
+    if _bf16_gemm_problem(dtype_setting, compute, checkpoint) is not None:
+        return False
+    return setting == "on" or (setting == "auto" and features.default_route() == "bf16_gemm")
+
+
+def _bf16_gemm_problem(dtype_setting: str, compute: torch.dtype, checkpoint: torch.dtype) -> str | None:
+    if checkpoint != torch.bfloat16:
+        return f"the checkpoint is {str(checkpoint).removeprefix('torch.')}, not bfloat16"
+    if dtype_setting != "auto" or compute != torch.float32:
+        return f"dtype {dtype_setting} asks for {str(compute).removeprefix('torch.')} linears"
+    return None
 
 
 def to_bf16_weights(model: nn.Module) -> int:

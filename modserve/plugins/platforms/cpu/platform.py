@@ -18,7 +18,7 @@ from modserve.plugins.platforms.cpu.host_memory import keep_freed_memory
 from modserve.plugins.platforms.cpu.huge_pages import move_weights_to_huge_pages
 from modserve.plugins.platforms.cpu.features import cpu_features
 from modserve.plugins.platforms.cpu.linear import (
-    CpuLinear, add_decode_weights, bf16_gemm_wanted, decode_weight_dtype, to_bf16_weights)
+    CpuLinear, add_decode_weights, bf16_gemm_applies, bf16_gemm_wanted, decode_weight_dtype, to_bf16_weights)
 from modserve.plugins.platforms.cpu.native_decode import native_decode_step
 from modserve.plugins.platforms.cpu.prepack import add_packed_weights
 
@@ -52,6 +52,13 @@ class CpuPlatform(Platform):
         """Where dtype auto meets a bfloat16 checkpoint: ``bf16_gemm`` or ``few_rows`` (:mod:`.features`)."""
         setting = self.options.bf16_gemm
         return cpu_features().default_route() if setting == "auto" else ("bf16_gemm" if setting == "on" else "few_rows")
+
+    def auto_kv_cache_dtype(self, compute: torch.dtype, checkpoint: torch.dtype, dtype_setting: str) -> torch.dtype:
+        """bf16 under the bf16_gemm route (as vLLM's auto keeps a bf16 model's KV): half the bytes
+        a decode step's attention reads, the values rounded as the linears' inputs are."""
+        if bf16_gemm_applies(self.options.bf16_gemm, cpu_features(), dtype_setting, compute, checkpoint):
+            return torch.bfloat16
+        return compute
 
     def resolve_dtype(self, name: str, checkpoint: torch.dtype) -> torch.dtype:
         if name != "auto":

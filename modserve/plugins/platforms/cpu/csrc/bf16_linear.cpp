@@ -287,7 +287,7 @@ at::Tensor few_rows_linear(const at::Tensor& x, const at::Tensor& weight, const 
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
 constexpr bool kHaveDot = true;
 constexpr int64_t kDotRows = 4;  // rows per pass of the dot kernel
-constexpr int64_t kDotMaxRows = 2;  // beyond, oneDNN's GEMM reads the weights about as fast (benchmarks.md)
+constexpr int64_t kDotMaxRows = 3;  // beyond, oneDNN's GEMM reads the weights as fast (scripts/linear_routes.py)
 constexpr int64_t kDotOutputs = 4;  // output features a thread computes together
 constexpr int64_t kDotClaim = 16;  // output features a thread claims at a time (claims.h)
 
