@@ -74,15 +74,18 @@ def test_the_avx512_bf16_dot_kernel_equals_a_reference_product(n, k):
         torch.testing.assert_close(y.double(), _reference(x, w), atol=2e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("m", [1, 3, 4, 17, 64])
-def test_the_bf16_gemm_route_equals_a_reference_product_at_every_row_count(m):
+@pytest.mark.parametrize("packed", [False, True], ids=["plain", "packed"])
+@pytest.mark.parametrize("m", [1, 3, 4, 17, 64, 300])
+def test_the_bf16_gemm_route_equals_a_reference_product_at_every_row_count(m, packed):
     """Up to three rows the dot kernel (where built), more oneDNN's bf16 GEMM, whose output is
-    rounded to bf16: both within a bf16 rounding of the float64 product, bias in float32."""
+    rounded to bf16, from the weight packed at load up to 256 rows: all within a bf16 rounding
+    of the float64 product, bias in float32."""
     _kernels()
     g = torch.Generator().manual_seed(m)
     w = (torch.randn(96, 160, generator=g) * 0.05).bfloat16()
     x, bias = torch.randn(m, 160, generator=g), torch.randn(96, generator=g)
-    y = torch.ops.modserve_cpu.bf16_gemm_linear(x, w, bias)
+    layout = torch.ops.mkldnn._reorder_linear_weight(w, 64) if packed else None
+    y = torch.ops.modserve_cpu.bf16_gemm_linear(x, w, layout, bias)
     expected = _reference(x, w) + bias.double()
     assert y.dtype == torch.float32
     torch.testing.assert_close(y.double(), expected, atol=1e-2, rtol=8e-3)
@@ -122,6 +125,25 @@ def test_the_bf16_gemm_route_keeps_bf16_weights_decodes_natively_and_tracks_floa
     assert len(top) == 5
     for token, logprob in top.items():
         assert abs(logprob - logprobs[token].item()) < 0.05, (token, logprob, logprobs[token].item())
+
+
+@torch.inference_mode()
+def test_the_bf16_gemm_route_packs_its_weights_for_decode_batches(bf16_path):
+    """prepack_weights on: each bf16 linear gets oneDNN's layout beside its plain weight, and
+    batched decode gives the logprobs of the unpacked engine to bf16 rounding."""
+    _kernels()
+    prompts = [[11, 250, 37, 902, 14, 3], [7] * 19, [1200, 5, 5, 86, 400]] * 3  # decode steps of 9 rows
+    params = SamplingParams(temperature=0.0, max_tokens=6, logprobs=1, ignore_eos=True)
+    runs = {}
+    for prepack in ("on", "off"):
+        llm = _llm(bf16_path, "on", compile="off", prepack_weights=prepack)
+        layer = llm.engine.runner.model.layers[0].self_attn.o_proj
+        assert (getattr(layer, "packed_weight", None) is not None) == (prepack == "on")
+        runs[prepack] = llm.generate(prompts, params, use_tqdm=False)
+    for packed, plain in zip(runs["on"], runs["off"]):
+        assert packed.outputs[0].token_ids == plain.outputs[0].token_ids
+        for a, b in zip(packed.outputs[0].logprobs, plain.outputs[0].logprobs):
+            assert abs(a["logprob"] - b["logprob"]) < 0.02
 
 
 def test_routes_forced_off_and_by_cpu_flags(bf16_path, monkeypatch):

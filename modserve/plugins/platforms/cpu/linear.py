@@ -6,7 +6,8 @@ read once per token. A bfloat16 checkpoint's weights are exact in bfloat16, and
 
 - ``bf16_gemm`` (CPUs with AMX): the weights are kept in bfloat16 only and every linear
   runs oneDNN's bf16 GEMM (``modserve_cpu::bf16_gemm_linear``): input rounded to bf16,
-  float32 accumulation, on AMX tiles. It reads half the bytes at every row count and
+  float32 accumulation, on AMX tiles, from a copy packed once at load for decode batches
+  (:mod:`.prepack`), a dot kernel for one to three rows. It reads half the bytes at every row count and
   computes prefill many times faster than float32; the model's other work (norms,
   attention, residual stream) stays float32.
 - ``few_rows`` (elsewhere): up to 16 rows, a C++ kernel (``csrc/bf16_linear.cpp``,
@@ -54,7 +55,7 @@ class CpuLinear(Unquantized):
 
     def native_op(self, layer: nn.Module) -> tuple[str, list[torch.Tensor | None]] | None:
         if layer.weight.dtype == torch.bfloat16 and _bf16_kernel:
-            return "modserve_cpu::bf16_gemm_linear", [layer.weight, layer.bias]
+            return "modserve_cpu::bf16_gemm_linear", [layer.weight, getattr(layer, "packed_weight", None), layer.bias]
         decode_weight = getattr(layer, "decode_weight", None)
         if decode_weight is None or decode_weight.dtype != torch.bfloat16 or not _bf16_kernel:
             return None
@@ -73,7 +74,7 @@ def linear_or_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     panels or oneDNN's layout), the GEMM for that layout."""
     if weight.dtype == torch.bfloat16 and x.dtype == torch.float32:
         if _bf16_kernel:
-            return torch.ops.modserve_cpu.bf16_gemm_linear(x, weight, bias)
+            return torch.ops.modserve_cpu.bf16_gemm_linear(x, weight, packed_weight, bias)
         y = F.linear(x.to(torch.bfloat16), weight).float()
         return y if bias is None else y + bias
     if decode_weight is not None and decode_weight.dtype == torch.bfloat16 and _bf16_kernel:
@@ -179,7 +180,8 @@ def _few_rows_linear_fake(x: torch.Tensor, weight: torch.Tensor, decode_weight: 
     return x.new_empty(x.shape[0], weight.shape[0])
 
 
-def _bf16_gemm_linear_fake(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+def _bf16_gemm_linear_fake(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | None,
+                           bias: torch.Tensor | None) -> torch.Tensor:
     return x.new_empty(x.shape[0], weight.shape[0])
 
 

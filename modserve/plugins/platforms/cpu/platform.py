@@ -20,7 +20,7 @@ from modserve.plugins.platforms.cpu.features import cpu_features
 from modserve.plugins.platforms.cpu.linear import (
     CpuLinear, add_decode_weights, bf16_gemm_applies, bf16_gemm_wanted, decode_weight_dtype, to_bf16_weights)
 from modserve.plugins.platforms.cpu.native_decode import native_decode_step
-from modserve.plugins.platforms.cpu.prepack import add_packed_weights
+from modserve.plugins.platforms.cpu.prepack import add_bf16_packed_weights, add_packed_weights
 
 logger = logging.getLogger("modserve")
 
@@ -87,8 +87,9 @@ class CpuPlatform(Platform):
         if bf16_gemm_wanted(self.options.bf16_gemm, cpu_features(), load.dtype_setting, load.dtype,
                             load.checkpoint_dtype):
             decode_bytes: int | None = to_bf16_weights(model)
-            if load.prepack_weights == "on":
-                raise ValueError("prepack_weights: on, but the linears run bf16 GEMMs (platform option bf16_gemm)")
+            # float32 activations: the packing rules of float32 models, for bf16 copies
+            if self.prepack_wanted(load.prepack_weights, torch.float32, decode_bytes, load.quantized):
+                packed_bytes = add_bf16_packed_weights(model)
         else:
             decode_dtype = decode_weight_dtype(load.dtype_setting, load.dtype, load.checkpoint_dtype, compiled)
             decode_bytes = add_decode_weights(model, decode_dtype) if decode_dtype is not None else None

@@ -52,6 +52,24 @@ def add_packed_weights(model: nn.Module) -> int:
     return total
 
 
+# The row count oneDNN lays a bf16 weight out for: decode batches, which the packed copy
+# serves (bf16_gemm_linear reads it up to 256 rows).
+BF16_PACK_ROWS = 64
+
+
+def add_bf16_packed_weights(model: nn.Module) -> int:
+    """Give every :func:`~modserve.core.linear.float_layers` layer whose weight is bf16 (the
+    ``bf16_gemm`` route) a ``packed_weight``: oneDNN's blocked layout of it, which a GEMM of a
+    decode batch reads without reordering the weight on every call; returns its bytes."""
+    total = 0
+    for module in float_layers(model):
+        if module.weight.dtype == torch.bfloat16:
+            module.packed_weight = torch.ops.mkldnn._reorder_linear_weight(module.weight.detach(), BF16_PACK_ROWS)
+            total += module.weight.numel() * 2
+    logger.info("prepack_weights: bf16 weights in oneDNN's layout for decode batches (%.0f MiB)", total / 2**20)
+    return total
+
+
 @torch.library.custom_op("modserve::packed_linear", mutates_args=())
 def packed_linear(x: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Tensor | None,
                   out_features: int) -> torch.Tensor:
