@@ -21,6 +21,7 @@
 #include <immintrin.h>
 
 #include "row_passes.h"
+#include "vec8.h"  // v8, load8 (float32 and bf16), hsum
 
 #include <algorithm>
 #include <cstdint>
@@ -28,26 +29,13 @@
 
 namespace {
 
-typedef float v8 __attribute__((vector_size(32)));
-typedef uint32_t u8x32 __attribute__((vector_size(32)));
-typedef uint16_t u8x16 __attribute__((vector_size(16)));
+using modserve::hsum;
+using modserve::load8;  // float32, or bf16 widened
+using modserve::v8;
 
-inline v8 load8(const float* p) {
-  v8 r;
-  std::memcpy(&r, p, sizeof r);
-  return r;
-}
+inline v8 load8_bf16(const uint16_t* p) { return load8(p); }  // eight bfloat16 -> eight float32
 
-inline v8 load8_bf16(const uint16_t* p) {  // eight bfloat16 -> eight float32
-  u8x16 h;
-  std::memcpy(&h, p, sizeof h);
-  const u8x32 w = __builtin_convertvector(h, u8x32) << 16;
-  v8 r;
-  std::memcpy(&r, &w, sizeof r);
-  return r;
-}
-
-// The same as one vpmovzxwd and a shift (GCC makes five instructions of the form above).
+// The same as one vpmovzxwd and a shift (GCC makes five instructions of vec8.h's form).
 // 5-10% faster where 5 or more rows share each weight load; slower here at 1 row (6.8
 // against 7.8 ms over the model's weights), so only the many-row loops use it.
 inline v8 load8_bf16_vpmovzx(const uint16_t* p) {
@@ -57,12 +45,6 @@ inline v8 load8_bf16_vpmovzx(const uint16_t* p) {
 #else
   return load8_bf16(p);
 #endif
-}
-
-inline float hsum(v8 v) {
-  const v8 a = v + __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3);
-  const v8 b = a + __builtin_shufflevector(a, a, 2, 3, 0, 1, 6, 7, 4, 5);
-  return b[0] + b[1];
 }
 
 constexpr int64_t kPassRows = 8;  // rows one pass over W takes: their accumulators stay in registers
