@@ -502,7 +502,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         Path(args.plot).parent.mkdir(parents=True, exist_ok=True)
         plot_compare(args.plot, {name: serve_latencies(per_server) for name, per_server in results.items()},
                      {name: [r["output_throughput"] for r in per_server] for name, per_server in results.items()},
-                     f"bench serve: {' vs '.join(results)}" + (f" on {args.model}" if args.model else ""))
+                     f"bench serve: {' vs '.join(results)} on {args.model or first['model']}")
         print(f"wrote {args.plot}")
     _write_json(output_path(args, "serve"), {name: {"runs": per_server} for name, per_server in results.items()}
                 if args.baseline_url else {"runs": results["server"]})
