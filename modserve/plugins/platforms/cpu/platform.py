@@ -31,8 +31,9 @@ class CpuOptions(BaseModel):
     huge_pages: bool = Field(True, description="Copy the weights into memory backed by 2 MiB transparent huge pages "
                              "(Linux): a decode step streams them with ~500x fewer TLB misses")
     bf16_gemm: Literal["auto", "on", "off"] = Field(
-        "auto", description="With dtype auto and a bfloat16 checkpoint, keep the linears' weights in bfloat16 and "
-        "run oneDNN's bf16 GEMM (AMX tiles) for every linear; auto: on CPUs with AMX-BF16 (features.py)")
+        "auto", description="With dtype auto and a bfloat16 checkpoint, keep the linears' weights and the KV cache "
+        "in bfloat16 and multiply in bf16 with float32 sums (a dot kernel for 1-3 rows, oneDNN's bf16 GEMM on AMX "
+        "tiles beyond); auto: on CPUs with AMX-BF16 (features.py)")
 
 
 class CpuPlatform(Platform):
