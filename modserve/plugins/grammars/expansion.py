@@ -126,6 +126,14 @@ class _Scanner:
         self.groups[-1].branch()
         self.shape.note("alternatives", self.groups[-1].branches)
 
+    def structure(self, c: str) -> bool:
+        """``(``, ``)`` or ``|``, alike in regexes and grammars: opened, closed or branched;
+        False for any other character."""
+        step = {"(": self.open, ")": self.close, "|": self.branch}.get(c)
+        if step is not None:
+            step()
+        return step is not None
+
     def count(self, low: int, high: int) -> None:
         group = self.groups[-1]
         if group.last[2] != group.last[3]:  # a part of varying width, counted
@@ -195,12 +203,8 @@ def regex_shape(regex: str) -> Shape:
             scan.count(*counted[:2])
             i = counted[2]
             continue
-        if c == "(":
-            scan.open()
-        elif c == ")":
-            scan.close()
-        elif c == "|":
-            scan.branch()
+        if scan.structure(c):
+            pass
         elif c in "*+?":
             if regex[i - 1: i] not in ("(", "*", "+", "?", "}"):  # not "(?:" nor a lazy "+?"
                 scan.loop(c)
@@ -268,12 +272,8 @@ def grammar_shape(grammar: str) -> Shape:
             scan.count(low, _number(m.group(2)) if m.group(2) else low)
             i = m.end()
             continue
-        if c == "(":
-            scan.open()
-        elif c == ")":
-            scan.close()
-        elif c == "|":
-            scan.branch()
+        if scan.structure(c):
+            pass
         elif c.isalnum() or c == "_":
             j = i
             while j < n and (text[j].isalnum() or text[j] in "_-."):
