@@ -35,7 +35,7 @@ UV_PIP = eval "$$($(PY) scripts/pip_config_for_uv.py constraints.txt)" && $(UV) 
 # set, every start then compiled the ~2,800 modules it imports again (~9 s on 2 cores), so those
 # are compiled once here (~15 s); all 19k files, as pip or uv's --compile-bytecode do, took
 # 35-66 s. (A start also imports torch's C++ extension builder, dynamo with sympy, and xgrammar.)
-START_IMPORTS := modserve.cli, modserve.server.cli, modserve.core.engine, modserve.server.app, modserve.server.run, \
+START_IMPORTS := modserve.cli, modserve.server.cli, modserve.engine.engine, modserve.server.app, modserve.server.run, \
 	modserve.testing.checkpoints, torch.utils.cpp_extension, torch._dynamo, xgrammar
 $(STAMP): $(PY) pyproject.toml constraints.txt $(EXAMPLE_FILES)
 	@echo "install: torch 2.13.0 (CPU) and modserve[test] into $(VENV) with $(INSTALLER) (uv: ~40 s; pip: 2-3 min on 2 cores)"

@@ -335,7 +335,7 @@ def format_listing(info: list[dict[str, Any]], width: int = 100) -> list[str]:
 
 def cmd_generate(args: argparse.Namespace) -> int:
     from modserve import LLM, SamplingParams
-    from modserve.server.cli import use_demo_model
+    from modserve.server.demo import use_demo_model
 
     if not args.config and args.cfg_model is None and args.model_tag is None:
         use_demo_model(args)  # as `modserve serve` does

@@ -11,7 +11,7 @@ from tqdm import tqdm
 from transformers import PreTrainedTokenizerBase
 
 from modserve.core.config import EngineConfig, load_config_file
-from modserve.core.engine import LLMEngine
+from modserve.engine.engine import LLMEngine
 from modserve.core.outputs import RequestOutput
 from modserve.core.registry import Registry
 from modserve.core.sampling_params import SamplingParams

@@ -15,6 +15,7 @@ from types import ModuleType
 
 _PLATFORMS = "modserve.plugins.platforms"
 _CPU = f"{_PLATFORMS}.cpu"
+_CONTRACTS = "modserve.core.contracts"
 
 # old path -> (where it went, {name it exported: "new.module:name"})
 MOVED: dict[str, tuple[str, dict[str, str]]] = {
@@ -25,8 +26,8 @@ MOVED: dict[str, tuple[str, dict[str, str]]] = {
             "MLP", "Attention", "DecoderLayer", "LlamaForCausalLM", "RMSNorm", "RotaryEmbedding",
             "rope_inv_freq")}),
     "modserve.core.compile": (_PLATFORMS, {
-        "float_weight_modules": "modserve.core.linear:float_layers",
-        "checkpoint_dtype": "modserve.core.loader:checkpoint_dtype",
+        "float_weight_modules": "modserve.runner.linear:float_layers",
+        "checkpoint_dtype": "modserve.runner.loader:checkpoint_dtype",
         "regions_compiled": f"{_PLATFORMS}.compile:compile_regions",
         "compiler": f"{_PLATFORMS}.compile:compiler",
         **{n: f"{_CPU}.linear:{n}" for n in ("FEW_ROWS", "add_decode_weights", "linear_or_gemv",
@@ -46,6 +47,34 @@ MOVED: dict[str, tuple[str, dict[str, str]]] = {
     "modserve.plugins.schedulers.base": ("modserve.api", {
         n: f"modserve.api.scheduling:{n}" for n in ("Budget", "admit", "advance_running", "chunk_size",
                                                      "start_budget")}),
+    # The core split into core (contracts), engine (rank 0) and runner (every rank): the modules
+    # whose names modserve.api re-exported.
+    "modserve.core.interfaces": (_CONTRACTS, {n: f"{_CONTRACTS}.{m}:{n}" for m, names in (
+        ("attention_backend", "AttentionBackend AttentionMetadata AttentionSpec CudaGraphSupport"),
+        ("executor", "Executor WorkerSpec"),
+        ("grammar_backend", "GrammarBackend GrammarMatcher GrammarVocab"),
+        ("kv_allocator", "KVAllocator"),
+        ("kv_connector", "BlockTransfer KVConnector KVConnectorContext KVRole"),
+        ("model", "CausalLM"),
+        ("moe_backend", "MoEBackend"),
+        ("platform", "FinishedModel GraphSettings ModelLoad Platform StepForward"),
+        ("proposer", "Proposal Proposer ProposerContext"),
+        ("quantizer", "LinearSpec Quantizer TensorLayout"),
+        ("sampler", "Sampler SamplerOutput SamplingBatch"),
+        ("scheduler", "Schedule Scheduler SchedulerLimits SchedulerView"),
+    ) for n in names.split()}),
+    "modserve.api.decoder": (f"{_CONTRACTS}.model", {
+        n: f"{_CONTRACTS}.model:{n}" for n in ("DecoderLayerLayout", "DecoderLayout")}),
+    "modserve.api.worker": ("modserve.runner.main", {"run_worker": "modserve.runner.main:run_worker"}),
+    "modserve.core.batch": ("modserve.runner.batch", {"build_batch": "modserve.runner.batch:build_batch"}),
+    "modserve.core.forward_context": ("modserve.runner.forward_context", {
+        n: f"modserve.runner.forward_context:{n}" for n in ("attention", "forward_context")}),
+    "modserve.core.linear": ("modserve.runner.linear", {n: f"modserve.runner.linear:{n}" for n in (
+        "Linear", "LinearFactory", "Unquantized", "VocabEmbedding", "check_name", "float_layers",
+        "linear_factory", "load_shard", "model_bytes", "param")}),
+    "modserve.core.parallel": ("modserve.runner.parallel", {"TensorParallel": "modserve.runner.parallel:TensorParallel"}),
+    "modserve.core.sampling": ("modserve.runner.sampling", {
+        n: f"modserve.runner.sampling:{n}" for n in ("add_logprobs", "sample_rows")}),
 }
 
 

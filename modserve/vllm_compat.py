@@ -404,8 +404,8 @@ def memory_budget(config: Any, utilization: float) -> MemoryBudget:
     packed or 16-bit decode copy the CPU platform may keep)."""
     import torch
 
-    from modserve.core.loader import checkpoint_dtype, load_hf_config
-    from modserve.core.quantization import planned_weight_bytes
+    from modserve.runner.loader import checkpoint_dtype, load_hf_config
+    from modserve.runner.quantization import planned_weight_bytes
     from modserve.core.registry import get_registry
 
     if not 0 < utilization <= 1:

@@ -233,8 +233,8 @@ def attention_case(backend_cls, options_cls, s: Shapes, batch: int, q_len: int, 
     """One shape: B sequences of ``seq_len`` keys, the last ``q_len`` of them queries (causal)."""
     import torch
 
-    from modserve.core.batch import build_batch
-    from modserve.core.interfaces import AttentionSpec
+    from modserve.runner.batch import build_batch
+    from modserve.core.contracts.attention_backend import AttentionSpec
 
     H, Hkv, D, bs = s.heads, s.kv_heads, s.head_dim, 16
     gen = torch.Generator(device).manual_seed(0)

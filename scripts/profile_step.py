@@ -25,7 +25,8 @@ import time
 
 def parts_of_a_step(llm) -> dict[str, list]:
     """part -> the functions whose cumulative time it is."""
-    from modserve.core import engine, model_runner, scheduler, tokenizer
+    from modserve.engine import engine, scheduler, tokenizer
+    from modserve.runner import model_runner
 
     runner = llm.engine.runner
     attn, model = type(runner.attn), type(runner.model)

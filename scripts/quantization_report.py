@@ -20,7 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from test_quantization import PROMPTS, logit_error, prefill_logits  # noqa: E402
 
 from modserve import LLM, SamplingParams  # noqa: E402
-from modserve.core.quantization import planned_weight_bytes  # noqa: E402
+from modserve.runner.quantization import planned_weight_bytes  # noqa: E402
 from modserve.testing import cached_checkpoint, cached_quantized_checkpoint  # noqa: E402
 
 GROUP = {"tiny": 32, "small": 128}

@@ -32,7 +32,7 @@ PROMPT = "The quick brown fox jumps over the lazy dog while the engine streams t
 
 def child_main(config: dict[str, Any], conn: Any) -> None:
     from modserve.core.config import EngineConfig
-    from modserve.core.engine import LLMEngine
+    from modserve.engine.engine import LLMEngine
     from modserve.server.async_engine import _Abort, _Add, _Stop
 
     engine = LLMEngine(EngineConfig(**config), progress=False)
@@ -102,7 +102,7 @@ def serve(args: argparse.Namespace) -> None:
     import uvicorn
 
     from modserve.core.config import EngineConfig
-    from modserve.core.engine import LLMEngine
+    from modserve.engine.engine import LLMEngine
     from modserve.server import app as app_mod
 
     config = EngineConfig(model=args.model, num_kv_blocks=args.num_kv_blocks, max_model_len=1024,
@@ -175,7 +175,7 @@ async def load(port: int, clients: int, rounds: int, max_tokens: int) -> dict[st
 
 def offline(model: str, num_kv_blocks: int, clients: int, rounds: int, max_tokens: int) -> dict[str, float]:
     from modserve.core.config import EngineConfig
-    from modserve.core.engine import LLMEngine
+    from modserve.engine.engine import LLMEngine
     from modserve.core.sampling_params import SamplingParams
 
     engine = LLMEngine(EngineConfig(model=model, num_kv_blocks=num_kv_blocks, max_model_len=1024), progress=False)

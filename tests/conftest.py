@@ -17,7 +17,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from modserve.core import engine as engine_mod
+from modserve.engine import engine as engine_mod
 from modserve.core.registry import reset_registry
 from modserve.testing import cached_checkpoint
 

@@ -10,7 +10,7 @@ import asyncio
 import pytest
 
 from modserve.core.config import EngineConfig
-from modserve.core.engine import LLMEngine
+from modserve.engine.engine import LLMEngine
 from modserve.core.sampling_params import SamplingParams
 from modserve.server.async_engine import AsyncEngine, EngineError
 

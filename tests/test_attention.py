@@ -16,7 +16,7 @@ import functools
 
 from modserve.attention_backends.paged import PagedAttention, PagedAttentionState, PagedOptions
 from modserve.attention_backends.reference import ReferenceAttention
-from modserve.core.interfaces import AttentionBackend, AttentionMetadata, AttentionSpec
+from modserve.core.contracts.attention_backend import AttentionBackend, AttentionMetadata, AttentionSpec
 
 # "paged" decodes with its C++ kernel on a CPU in float32; "paged-torch" with torch ops
 BACKENDS = {"reference": ReferenceAttention, "paged": PagedAttention,

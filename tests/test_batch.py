@@ -8,8 +8,8 @@ import random
 import pytest
 import torch
 
-from modserve.core import batch
-from modserve.core.batch import SMALL_DECODE_STEP, build_batch
+from modserve.runner import batch
+from modserve.runner.batch import SMALL_DECODE_STEP, build_batch
 
 FIELDS = ("positions", "slot_mapping", "query_start_loc", "query_lens", "context_lens", "seq_lens", "block_tables",
           "query_lens_cpu", "seq_lens_cpu", "context_lens_cpu", "num_tokens", "max_query_len", "max_seq_len")

@@ -125,7 +125,7 @@ def test_awq_and_fp8_checkpoints_pick_the_gpu_kernels(llama_dir, hf_cuda):
     scales need compute capability 9.0); their logits stay near the dequantizing path's."""
     from test_quantization import logit_error, prefill_logits
 
-    from modserve.core.linear import Linear
+    from modserve.runner.linear import Linear
     from modserve.testing import cached_quantized_checkpoint
 
     ids = hf_cuda[0]

@@ -19,7 +19,7 @@ from modserve import LLM, SamplingParams
 from modserve.api import AttentionBackend, AttentionMetadata, AttentionSpec, CudaGraphSupport, GraphSettings
 from modserve.attention_backends.paged import PagedAttention
 from modserve.attention_backends.reference import ReferenceAttention
-from modserve.core.batch import build_batch
+from modserve.runner.batch import build_batch
 from modserve.core.hookspecs import hookimpl
 from modserve.core.registry import get_registry
 from modserve.plugins.platforms.cuda.graphs import (CudaGraphRecorder, DecodeGraphs, Recorder, capture_decode_graphs,

@@ -24,7 +24,7 @@ import pytest
 from server_process import Server, launch, stop, wait_for, wait_healthy
 
 from modserve.core.config import EngineConfig
-from modserve.core.engine import LLMEngine
+from modserve.engine.engine import LLMEngine
 from modserve.core.sampling_params import SamplingParams
 from modserve.server.async_engine import EngineDead
 from modserve.server.replicas import ReplicaSet, Router, SplitStream, block_hashes, build_engines, replica_config

@@ -40,7 +40,7 @@ import pytest
 from modserve import LLM, SamplingParams
 from modserve.api import WorkerSpec
 from modserve.core.config import EngineConfig
-from modserve.core.engine import EngineDeadError, LLMEngine
+from modserve.engine.engine import EngineDeadError, LLMEngine
 from modserve.core.registry import Registry
 from modserve.plugins.executors.mp import MultiprocessExecutor, MultiprocessOptions
 from modserve.server.async_engine import AsyncEngine, EngineDead, EngineStopped

@@ -9,12 +9,12 @@ import pytest
 import torch
 
 from modserve.core.config import PluginChoice
-from modserve.core.grammar import GrammarCompiler
+from modserve.engine.grammar import GrammarCompiler
 from modserve.core.hookspecs import hookimpl
-from modserve.core.interfaces import GrammarBackend, GrammarMatcher, GrammarVocab
+from modserve.core.contracts.grammar_backend import GrammarBackend, GrammarMatcher, GrammarVocab
 from modserve.core.registry import Registry
 from modserve.core.structured_outputs import GrammarSpec, StructuredOutputs
-from modserve.core.token_bytes import token_bytes
+from modserve.engine.token_bytes import token_bytes
 from modserve.samplers.default import apply_token_bitmask
 
 EOS = 2

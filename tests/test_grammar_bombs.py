@@ -19,7 +19,7 @@ import httpx
 import pytest
 
 from modserve.core.config import EngineConfig, PluginChoice
-from modserve.core.grammar import GrammarCompiler
+from modserve.engine.grammar import GrammarCompiler
 from modserve.core.registry import Registry
 from modserve.core.structured_outputs import GrammarSpec, StructuredOutputs
 from modserve.plugins.grammars.expansion import grammar_shape, json_depth, regex_shape

@@ -17,7 +17,7 @@ import pytest
 
 from modserve.api import GrammarBackend, GrammarMatcher, hookimpl
 from modserve.core.config import PluginChoice
-from modserve.core.grammar import GrammarCompiler
+from modserve.engine.grammar import GrammarCompiler
 from modserve.core.registry import PluginError, Registry
 from modserve.core.structured_outputs import GrammarSpec, StructuredOutputs
 from processes import alive, descendants, wait_until

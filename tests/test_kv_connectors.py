@@ -209,7 +209,7 @@ def test_host_tier_evicts_its_least_recently_used_blocks(llama_dir):
 
 
 def llm_keys(p: list[int]) -> list[str]:
-    from modserve.core.scheduler import block_keys
+    from modserve.engine.scheduler import block_keys
     return block_keys(p, BLOCK)
 
 

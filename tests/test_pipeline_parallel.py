@@ -37,8 +37,9 @@ import pytest
 import torch
 
 from modserve import LLM
-from modserve.core import engine, model_runner
-from modserve.core.batch import MICRO_BATCH_MIN_TOKENS, micro_batch_count
+from modserve.engine import engine
+from modserve.runner import model_runner
+from modserve.runner.batch import MICRO_BATCH_MIN_TOKENS, micro_batch_count
 from modserve.testing import cached_checkpoint
 from test_tensor_parallel import (
     ENGINE, LENGTHS, MAX_NEW, SECOND_NEW, Run, assert_engine_was_clean, assert_workload_exercised, max_logprob_diff,

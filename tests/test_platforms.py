@@ -14,8 +14,8 @@ import torch
 
 from modserve import LLM, SamplingParams
 from modserve.core.hookspecs import hookimpl
-from modserve.core.interfaces import FinishedModel, ModelLoad
-from modserve.core.linear import LMHead, Unquantized, float_layers
+from modserve.core.contracts.platform import FinishedModel, ModelLoad
+from modserve.runner.linear import LMHead, Unquantized, float_layers
 from modserve.core.registry import PluginError, Registry
 from modserve.plugins.platforms.cpu.linear import CpuLinear
 from modserve.plugins.platforms.cpu.platform import CpuPlatform
@@ -111,7 +111,7 @@ def test_cpu_dtype_auto_keeps_float32_activations_and_says_so(caplog):
 def test_cuda_rules_hold_without_a_gpu(caplog):
     platform = CudaPlatform(torch.device("cuda"))
     assert platform.resolve_dtype("auto", torch.bfloat16) == torch.bfloat16  # the checkpoint's
-    assert type(platform.linear_method()) is Unquantized  # a plain GEMM
+    assert platform.linear_method() is None  # the runner's default: a plain GEMM
     load = ModelLoad("auto", "auto", "auto", torch.bfloat16, torch.bfloat16, quantized=False)
     with caplog.at_level("INFO", logger="modserve"):
         assert platform.finish_model(torch.nn.Module(), load) == FinishedModel(compiled=False)

@@ -25,7 +25,8 @@ from pydantic import BaseModel, ConfigDict
 
 from modserve import LLM, SamplingParams
 from modserve.core.hookspecs import hookimpl
-from modserve.core.interfaces import Proposal, Schedule
+from modserve.core.contracts.proposer import Proposal
+from modserve.core.contracts.scheduler import Schedule
 from modserve.core.registry import PluginError, Registry
 from modserve.core.structured_outputs import StructuredOutputs
 

@@ -17,9 +17,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from modserve import LLM, SamplingParams
-from modserve.core.batch import build_batch
-from modserve.core.linear import Linear
-from modserve.core.quantization import planned_weight_bytes
+from modserve.runner.batch import build_batch
+from modserve.runner.linear import Linear
+from modserve.runner.quantization import planned_weight_bytes
 from modserve.core.sequence import Sequence
 from modserve.testing import (
     AWQ_PACK_ORDER, awq_quantize, cached_checkpoint, cached_quantized_checkpoint, pack_int32,
@@ -178,7 +178,7 @@ def test_awq_packing_matches_autoawq(monkeypatch):
     assert torch.equal(ref.qweight, qweight) and torch.equal(ref.qzeros, qzeros)
     assert torch.equal(ref.scales, scales)
 
-    from modserve.core.interfaces import LinearSpec
+    from modserve.core.contracts.quantizer import LinearSpec
     from modserve.quantizers.awq import AWQ
 
     quantizer = AWQ({"quant_method": "awq", "bits": 4, "group_size": group_size, "version": "gemm"})
@@ -262,7 +262,7 @@ def test_int8_cpu_kernel_is_the_scaled_int8_product(rows):
 
 
 def test_fp8_scaled_mm_is_the_fp8_product():
-    from modserve.core.interfaces import LinearSpec
+    from modserve.core.contracts.quantizer import LinearSpec
     from modserve.quantizers.fp8 import FP8Options, FP8Weights
 
     gen = torch.Generator().manual_seed(0)
@@ -359,7 +359,7 @@ def test_kv_scales_come_from_the_checkpoint(float_dir, tmp_path):
 def test_a_backend_that_cannot_read_fp8_refuses_with_its_reason(float_dir):
     from modserve.attention_backends.reference import ReferenceAttention
     from modserve.core.hookspecs import hookimpl
-    from modserve.core.interfaces import AttentionBackend
+    from modserve.core.contracts.attention_backend import AttentionBackend
     from modserve.core.registry import get_registry
 
     class FloatOnly(ReferenceAttention):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from modserve.core.speculative import verify
+from modserve.runner.rejection import verify
 
 # chi-square critical value at p = 0.001; see each test for the degrees of freedom
 CHI2_001 = {4: 18.47, 7: 24.32, 15: 37.70}

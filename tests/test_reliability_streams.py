@@ -22,7 +22,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from modserve.core.config import EngineConfig
-from modserve.core.engine import LLMEngine
+from modserve.engine.engine import LLMEngine
 from modserve.core.sampling_params import SamplingParams
 from modserve.server.async_engine import StreamStalled
 from modserve.server.replicas import ReplicaSet, SplitStream, build_engines

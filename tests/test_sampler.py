@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-from modserve.core.interfaces import SamplingBatch
+from modserve.core.contracts.sampler import SamplingBatch
 from modserve.samplers.default import DefaultSampler, apply_penalties
 
 

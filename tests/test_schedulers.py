@@ -9,10 +9,10 @@ import pytest
 
 from modserve import LLM, SamplingParams
 from modserve.core.hookspecs import hookimpl
-from modserve.core.interfaces import Schedule, SchedulerLimits
+from modserve.core.contracts.scheduler import Schedule, SchedulerLimits
 from modserve.core.registry import Registry
 from modserve.core.sampling_params import SamplingParams as SP
-from modserve.core.scheduler import SchedulerCore
+from modserve.engine.scheduler import SchedulerCore
 from modserve.core.sequence import Sequence
 from modserve.plugins.kv_allocators.paged import PagedAllocator
 from modserve.plugins.schedulers.fcfs import FCFSOptions, FCFSScheduler

@@ -19,7 +19,7 @@ import torch
 from fastapi.testclient import TestClient
 
 from modserve import LLM, SamplingParams, StructuredOutputs
-from modserve.core.engine import LLMEngine
+from modserve.engine.engine import LLMEngine
 from modserve.core.hookspecs import hookimpl
 from modserve.core.registry import Registry
 from modserve.server.app import create_app

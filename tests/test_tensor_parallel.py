@@ -29,8 +29,8 @@ import pytest
 import torch
 
 from modserve import LLM, SamplingParams
-from modserve.core.linear import LinearFactory, finish_linears
-from modserve.core.parallel import TensorParallel
+from modserve.runner.linear import LinearFactory, finish_linears
+from modserve.runner.parallel import TensorParallel
 from modserve.core.registry import Registry
 from modserve.quantizers.awq import AWQ, AWQOptions
 from modserve.quantizers.fp8 import FP8Options, FP8Weights

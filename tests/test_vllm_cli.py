@@ -76,7 +76,7 @@ def test_a_vllm_yaml_config_resolves_and_gives_the_server_its_port(llama_dir, tm
 
 
 def test_gpu_memory_utilization_is_vllms_share_of_total_memory(llama_dir, monkeypatch, caplog):
-    from modserve.core.quantization import planned_weight_bytes
+    from modserve.runner.quantization import planned_weight_bytes
     from transformers import AutoConfig
     import torch
 
@@ -304,7 +304,7 @@ def test_bench_serve_with_vllms_flags_saves_its_result(llama_dir, tmp_path, caps
 
 # -- a server from a vLLM command line ----------------------------------------------------------------
 def test_serve_a_vllm_command_line(tmp_path):
-    from modserve.core.tokenizer import Tokenizer
+    from modserve.engine.tokenizer import Tokenizer
     from modserve.testing import cached_checkpoint
 
     model = str(cached_checkpoint())

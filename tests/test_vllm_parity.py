@@ -12,7 +12,7 @@ import pytest
 
 from modserve import vllm_compat
 from modserve.core.config import EngineConfig
-from modserve.core.worker import rank_layout
+from modserve.runner.ranks import rank_layout
 from modserve.server.cli import env_api_key
 from modserve.server.model_names import default_served_name
 from server_process import Server, launch, stop, wait_healthy

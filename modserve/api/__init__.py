@@ -6,7 +6,7 @@ each implementation subclasses the contract of its kind here. What a plugin rece
 :class:`SequenceView`, ``SamplingBatch``, ...) and the helpers worth reusing (paged-KV
 slot arithmetic, the scheduler's budget helpers, sampling and logprob primitives, batch
 building, fp8 scaling, C++ kernel builds) are here too. Nothing else under
-``modserve.core`` is promised to stay: the engine, runner and scheduler mechanism change
+``modserve.core``, ``modserve.engine`` or ``modserve.runner`` is promised to stay: the engine, runner and scheduler mechanism change
 without notice.
 
 Versioned by :data:`PLUGIN_API_VERSION` ("major.minor"): minor releases only add; what a
@@ -25,26 +25,31 @@ from modserve.core.hookspecs import PLUGIN_API_VERSION, Register, hookimpl
 if TYPE_CHECKING:  # for type checkers and IDEs; at run time each name is imported on first use
     from modserve.api.paged_kv import read_kv, slots, write_kv
     from modserve.api.cpp import load_kernel, op_by_name
-    from modserve.api.decoder import DecoderLayerLayout, DecoderLayout
     from modserve.api.fp8 import FP8, FP8_MAX, fp8_to_float, to_fp8
     from modserve.api.scheduling import Budget, admit, advance_running, chunk_size, start_budget
     from modserve.api.sequence import SequenceView
-    from modserve.core.batch import build_batch
-    from modserve.core.forward_context import attention, forward_context
-    from modserve.core.interfaces import (
-        AttentionBackend, AttentionMetadata, AttentionSpec, BlockTransfer, CausalLM, CudaGraphSupport, Executor,
-        FinishedModel, GrammarBackend, GrammarMatcher, GrammarVocab, GraphSettings, KVAllocator, KVConnector,
-        KVConnectorContext, LinearSpec, ModelLoad, MoEBackend,
-        Platform, Proposal, Proposer,
-        ProposerContext, Quantizer, Sampler, SamplerOutput, SamplingBatch, Schedule, Scheduler,
-        SchedulerLimits, SchedulerView, StepForward, TensorLayout, WorkerSpec)
-    from modserve.core.linear import (
+    from modserve.runner.batch import build_batch
+    from modserve.runner.forward_context import attention, forward_context
+    from modserve.core.contracts.attention_backend import (
+        AttentionBackend, AttentionMetadata, AttentionSpec, CudaGraphSupport)
+    from modserve.core.contracts.kv_connector import BlockTransfer, KVConnector, KVConnectorContext
+    from modserve.core.contracts.model import CausalLM, DecoderLayerLayout, DecoderLayout
+    from modserve.core.contracts.executor import Executor, WorkerSpec
+    from modserve.core.contracts.platform import FinishedModel, GraphSettings, ModelLoad, Platform, StepForward
+    from modserve.core.contracts.grammar_backend import GrammarBackend, GrammarMatcher, GrammarVocab
+    from modserve.core.contracts.kv_allocator import KVAllocator
+    from modserve.core.contracts.quantizer import LinearSpec, Quantizer, TensorLayout
+    from modserve.core.contracts.moe_backend import MoEBackend
+    from modserve.core.contracts.proposer import Proposal, Proposer, ProposerContext
+    from modserve.core.contracts.sampler import Sampler, SamplerOutput, SamplingBatch
+    from modserve.core.contracts.scheduler import Schedule, Scheduler, SchedulerLimits, SchedulerView
+    from modserve.runner.linear import (
         Linear, LinearFactory, Unquantized, VocabEmbedding, check_name, float_layers, linear_factory, load_shard,
         model_bytes, param)
-    from modserve.core.parallel import TensorParallel
-    from modserve.api.worker import run_worker
+    from modserve.runner.parallel import TensorParallel
+    from modserve.runner.main import run_worker
     from modserve.core.registry import PluginError
-    from modserve.core.sampling import add_logprobs, sample_rows
+    from modserve.runner.sampling import add_logprobs, sample_rows
     from modserve.core.sampling_params import SamplingParams
     from modserve.core.sequence import Sequence, SequenceStatus
     from modserve.core.structured_outputs import GrammarSpec, StructuredOutputs
@@ -54,25 +59,30 @@ if TYPE_CHECKING:  # for type checkers and IDEs; at run time each name is import
 _WHERE: dict[str, str] = {name: module for module, names in (
     ("modserve.api.paged_kv", "read_kv slots write_kv"),
     ("modserve.api.cpp", "load_kernel op_by_name"),
-    ("modserve.api.decoder", "DecoderLayerLayout DecoderLayout"),
     ("modserve.api.fp8", "FP8 FP8_MAX fp8_to_float to_fp8"),
     ("modserve.api.scheduling", "Budget admit advance_running chunk_size start_budget"),
     ("modserve.api.sequence", "SequenceView"),
-    ("modserve.core.batch", "build_batch"),
-    ("modserve.core.forward_context", "attention forward_context"),
-    ("modserve.core.interfaces",
-     "AttentionBackend AttentionMetadata AttentionSpec BlockTransfer CausalLM CudaGraphSupport Executor "
-     "FinishedModel GrammarBackend GrammarMatcher GrammarVocab GraphSettings KVAllocator KVConnector "
-     "KVConnectorContext LinearSpec ModelLoad MoEBackend "
-     "Platform Proposal Proposer ProposerContext Quantizer Sampler SamplerOutput "
-     "SamplingBatch Schedule Scheduler SchedulerLimits SchedulerView StepForward TensorLayout WorkerSpec"),
-    ("modserve.core.linear",
+    ("modserve.runner.batch", "build_batch"),
+    ("modserve.runner.forward_context", "attention forward_context"),
+    ("modserve.core.contracts.attention_backend", "AttentionBackend AttentionMetadata AttentionSpec CudaGraphSupport"),
+    ("modserve.core.contracts.executor", "Executor WorkerSpec"),
+    ("modserve.core.contracts.grammar_backend", "GrammarBackend GrammarMatcher GrammarVocab"),
+    ("modserve.core.contracts.kv_allocator", "KVAllocator"),
+    ("modserve.core.contracts.kv_connector", "BlockTransfer KVConnector KVConnectorContext"),
+    ("modserve.core.contracts.model", "CausalLM DecoderLayerLayout DecoderLayout"),
+    ("modserve.core.contracts.moe_backend", "MoEBackend"),
+    ("modserve.core.contracts.platform", "FinishedModel GraphSettings ModelLoad Platform StepForward"),
+    ("modserve.core.contracts.proposer", "Proposal Proposer ProposerContext"),
+    ("modserve.core.contracts.quantizer", "LinearSpec Quantizer TensorLayout"),
+    ("modserve.core.contracts.sampler", "Sampler SamplerOutput SamplingBatch"),
+    ("modserve.core.contracts.scheduler", "Schedule Scheduler SchedulerLimits SchedulerView"),
+    ("modserve.runner.linear",
      "Linear LinearFactory Unquantized VocabEmbedding check_name float_layers linear_factory "
      "load_shard model_bytes param"),
-    ("modserve.core.parallel", "TensorParallel"),
-    ("modserve.api.worker", "run_worker"),
+    ("modserve.runner.parallel", "TensorParallel"),
+    ("modserve.runner.main", "run_worker"),
     ("modserve.core.registry", "PluginError"),
-    ("modserve.core.sampling", "add_logprobs sample_rows"),
+    ("modserve.runner.sampling", "add_logprobs sample_rows"),
     ("modserve.core.sampling_params", "SamplingParams"),
     ("modserve.core.sequence", "Sequence SequenceStatus"),
     ("modserve.core.structured_outputs", "GrammarSpec StructuredOutputs"),

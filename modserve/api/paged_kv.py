@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from modserve.api.fp8 import FP8, to_fp8
-from modserve.core.interfaces import AttentionMetadata, AttentionSpec
+from modserve.core.contracts.attention_backend import AttentionMetadata, AttentionSpec
 
 
 def slots(block_table: torch.Tensor, positions: torch.Tensor, block_size: int) -> torch.Tensor:

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterable
 
-from modserve.core.interfaces import Schedule, SchedulerView
+from modserve.core.contracts.scheduler import Schedule, SchedulerView
 from modserve.core.sequence import Sequence
 
 

@@ -606,7 +606,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if args.quantization:
         import torch
 
-        from modserve.core.quantization import planned_weight_bytes
+        from modserve.runner.quantization import planned_weight_bytes
 
         model_dir = Path(args.model).parent if Path(args.model).is_file() else args.model
         weight_bytes = planned_weight_bytes(model_dir, args.quantization, getattr(torch, dtype),

@@ -49,7 +49,7 @@ def find_tools(llama_cpp_dir: str | None, llama_bench: str | None) -> tuple[Path
 
 
 def gguf_path(model_dir: str, outtype: str, cache_dir: Path) -> Path:
-    from modserve.core.loader import checkpoint_digest
+    from modserve.runner.loader import checkpoint_digest
 
     return cache_dir / f"{Path(model_dir).name}-{checkpoint_digest(model_dir)[:16]}-{outtype}.gguf"
 

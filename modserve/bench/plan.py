@@ -252,7 +252,7 @@ def plan(shape: ModelShape, hw: Hardware, dtype: str | None = None, kv_dtype: st
          tp: int = 1, context_len: int = 0, memory_fraction: float = 0.9,
          weight_bytes: float | None = None, quantization: str | None = None) -> Plan:
     """``weight_bytes`` (whole model) overrides parameters x bytes per weight: what a
-    quantizer keeps (modserve.core.quantization.planned_weight_bytes)."""
+    quantizer keeps (modserve.runner.quantization.planned_weight_bytes)."""
     dtype = normalize_dtype(dtype or shape.dtype)
     kv_dtype = normalize_dtype(kv_dtype or ("bfloat16" if DTYPE_BYTES[dtype] < 2 else dtype))
     params, active = shape.num_params, shape.active_params
@@ -423,7 +423,7 @@ def activation_dtype(weight_dtype: str) -> str:
 
 
 def padded_vocab(vocab_size: int, tp: int, multiple: int = 64) -> int:
-    """As modserve.core.linear.padded_vocab: every rank an equal multiple of 64 rows (vLLM's rule)."""
+    """As modserve.runner.linear.padded_vocab: every rank an equal multiple of 64 rows (vLLM's rule)."""
     step = multiple * tp
     return -(-vocab_size // step) * step
 

@@ -47,66 +47,66 @@ class Register(Protocol):
 
 @hookspec
 def register_attention_backends(register: Register) -> None:
-    """Register :class:`modserve.core.interfaces.AttentionBackend` subclasses."""
+    """Register :class:`modserve.core.contracts.attention_backend.AttentionBackend` subclasses."""
 
 
 @hookspec
 def register_kv_allocators(register: Register) -> None:
-    """Register :class:`modserve.core.interfaces.KVAllocator` subclasses."""
+    """Register :class:`modserve.core.contracts.kv_allocator.KVAllocator` subclasses."""
 
 
 @hookspec
 def register_schedulers(register: Register) -> None:
-    """Register :class:`modserve.core.interfaces.Scheduler` subclasses."""
+    """Register :class:`modserve.core.contracts.scheduler.Scheduler` subclasses."""
 
 
 @hookspec
 def register_quantizers(register: Register) -> None:
-    """Register :class:`modserve.core.interfaces.Quantizer` subclasses."""
+    """Register :class:`modserve.core.contracts.quantizer.Quantizer` subclasses."""
 
 
 @hookspec
 def register_grammar_backends(register: Register) -> None:
-    """Register :class:`modserve.core.interfaces.GrammarBackend` subclasses."""
+    """Register :class:`modserve.core.contracts.grammar_backend.GrammarBackend` subclasses."""
 
 
 @hookspec
 def register_samplers(register: Register) -> None:
-    """Register :class:`modserve.core.interfaces.Sampler` subclasses."""
+    """Register :class:`modserve.core.contracts.sampler.Sampler` subclasses."""
 
 
 @hookspec
 def register_proposers(register: Register) -> None:
-    """Register :class:`modserve.core.interfaces.Proposer` subclasses (speculative decoding)."""
+    """Register :class:`modserve.core.contracts.proposer.Proposer` subclasses (speculative decoding)."""
 
 
 @hookspec
 def register_model_architectures(register: Register) -> None:
     """Register model classes under a Hugging Face ``architectures`` name
-    (``"LlamaForCausalLM"``); the class follows :class:`modserve.core.interfaces.CausalLM`."""
+    (``"LlamaForCausalLM"``); the class follows :class:`modserve.core.contracts.model.CausalLM`."""
 
 
 @hookspec
 def register_platforms(register: Register) -> None:
-    """Register :class:`modserve.core.interfaces.Platform` subclasses: a device type's dtype,
+    """Register :class:`modserve.core.contracts.platform.Platform` subclasses: a device type's dtype,
     memory, compile and linear-weight rules (``platform:``, default the ``device``'s type)."""
 
 
 @hookspec
 def register_executors(register: Register) -> None:
-    """Register :class:`~modserve.core.interfaces.Executor` classes: how tensor-parallel ranks
+    """Register :class:`~modserve.core.contracts.executor.Executor` classes: how tensor-parallel ranks
     beyond the engine's own get processes (``distributed_executor_backend: mp``, ``ray``)."""
 
 
 @hookspec
 def register_moe_backends(register: Register) -> None:
-    """Register :class:`~modserve.core.interfaces.MoEBackend` classes: how a mixture-of-experts
+    """Register :class:`~modserve.core.contracts.moe_backend.MoEBackend` classes: how a mixture-of-experts
     layer computes its routed experts (``moe_backend: reference``, ``fused``)."""
 
 
 @hookspec
 def register_kv_connectors(register: Register) -> None:
-    """Register :class:`~modserve.core.interfaces.KVConnector` classes: where KV blocks go
+    """Register :class:`~modserve.core.contracts.kv_connector.KVConnector` classes: where KV blocks go
     beyond this engine's cache (``kv_connector: shared_storage``, ``shm``, ``host``)."""
 
 

@@ -16,7 +16,8 @@ from typing import Any
 
 import torch
 
-from modserve.core.interfaces import Proposal, SamplerOutput
+from modserve.core.contracts.proposer import Proposal
+from modserve.core.contracts.sampler import SamplerOutput
 from modserve.core.registry import PluginError, registration_of
 
 
@@ -106,17 +107,3 @@ def checked_proposal(proposer: object, proposal: Any, num_tokens: list[int], voc
     return proposal
 
 
-def quantized_apply(layer: Any, x: torch.Tensor) -> torch.Tensor:
-    """``layer.quantizer.apply(layer, x)`` run eagerly: what it raises names the quantizer, and
-    a layer's first call checks that it gives ``[T, out]``."""
-    q = layer.quantizer
-    try:  # NOTE: every linear of every layer: a bare try costs nothing, a context manager would
-        out = q.apply(layer, x)
-    except Exception as e:
-        raise failed(q, "quantizer", "apply()", e) from e
-    if not layer.checked:
-        want = (*x.shape[:-1], layer.spec.out_features)
-        if not isinstance(out, torch.Tensor) or out.shape != want:
-            raise broke(q, "quantizer", "apply()", f"a tensor of shape {list(want)} ([T, out])", described(out))
-        layer.checked = True
-    return out

@@ -11,8 +11,8 @@ from modserve.core.sampling_params import SamplingParams
 if TYPE_CHECKING:  # the seams' types; none of them is needed at run time here
     import torch
 
-    from modserve.core.interfaces import GrammarMatcher
-    from modserve.core.tokenizer import IncrementalDecoder
+    from modserve.core.contracts.grammar_backend import GrammarMatcher
+    from modserve.engine.tokenizer import IncrementalDecoder
 
 
 class SequenceStatus(enum.Enum):

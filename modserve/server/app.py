@@ -15,7 +15,7 @@ from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 import modserve
-from modserve.core.engine import LLMEngine
+from modserve.engine.engine import LLMEngine
 from modserve.core.registry import PluginError
 from modserve.server.chat_tokenizer import ChatTokenizer
 from modserve.server.async_engine import DEAD_MESSAGE, AsyncEngine
@@ -25,7 +25,7 @@ from modserve.server.errors import APIError, from_validation_error, invalid
 from modserve.server.grammar_bounds import GrammarBounds
 from modserve.server.metrics import ServerMetrics
 from modserve.server.model_names import served_names
-from modserve.server.openapi import declare_errors
+from modserve.server.openapi import PROTECTED_PREFIXES, declare_errors
 from modserve.server.replicas import ReplicaSet
 from modserve.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                       DetokenizeResponse, ModelCard, ModelList, TokenizeRequest, TokenizeResponse)
@@ -39,7 +39,6 @@ from modserve.server.tokenizer_pool import TokenizerPool
 logger = logging.getLogger("modserve.server")
 
 # /health, /version and /metrics stay open: probes and scrapers don't carry keys.
-PROTECTED_PREFIXES = ("/v1/", "/tokenize", "/detokenize")
 
 
 def create_app(engine: LLMEngine | Sequence[LLMEngine], api_key: str | None = None) -> FastAPI:

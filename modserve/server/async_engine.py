@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from itertools import count
 from typing import Any, Callable, Protocol
 
-from modserve.core.engine import EngineDeadError, LLMEngine
+from modserve.engine.engine import EngineDeadError, LLMEngine
 from modserve.core.outputs import RequestOutput
 from modserve.core.registry import PluginError
 from modserve.core.sampling_params import SamplingParams

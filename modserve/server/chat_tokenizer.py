@@ -13,7 +13,7 @@ from pathlib import Path
 from tokenizers import AddedToken
 from tokenizers import Tokenizer as RustTokenizer
 
-from modserve.core.tokenizer import Tokenizer
+from modserve.engine.tokenizer import Tokenizer
 
 # Private-use characters: no tokenizer vocabulary or chat template gives them a meaning.
 _PLACEHOLDER = "\ue000{}\ue001"

@@ -11,7 +11,6 @@ logger = logging.getLogger("modserve.server")
 
 DEFAULT_HOST, DEFAULT_PORT = "127.0.0.1", 8000
 # vLLM's flags that size the KV cache: with one given, the demo model keeps the user's size.
-VLLM_KV_SIZE_FLAGS = ("gpu_memory_utilization", "num_gpu_blocks_override", "kv_cache_memory_bytes")
 
 
 def add_parsers(subparsers: Any) -> None:
@@ -35,8 +34,9 @@ def add_parsers(subparsers: Any) -> None:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from modserve.cli import config_from_args
-    from modserve.core.engine import LLMEngine
+    from modserve.engine.engine import LLMEngine
     from modserve.server.app import create_app
+    from modserve.server.demo import use_demo_model
     from modserve.server.replicas import build_engines
     from modserve.server.run import run
 
@@ -75,16 +75,3 @@ def env_api_key() -> str | None:
     if ours and vllms:
         logger.warning("MODSERVE_API_KEY and VLLM_API_KEY are both set: using MODSERVE_API_KEY")
     return ours or vllms
-
-
-def use_demo_model(args: argparse.Namespace) -> None:
-    """Point ``args`` at the demo model, with its defaults for the flags the user did not give."""
-    from modserve.server.demo import DEMO_DEFAULTS, KV_SIZE_FIELDS, demo_model_dir
-
-    logger.info("no --config or model: using the demo model (built in, trained on the King James Bible)")
-    args.cfg_model = str(demo_model_dir())
-    sized = any(getattr(args, f"cfg_{name}", None) is not None for name in KV_SIZE_FIELDS) or \
-        any(getattr(args, f"vllm_{name}", None) is not None for name in VLLM_KV_SIZE_FLAGS)
-    for name, value in DEMO_DEFAULTS.items():
-        if getattr(args, f"cfg_{name}") is None and not (sized and name in KV_SIZE_FIELDS):
-            setattr(args, f"cfg_{name}", value)

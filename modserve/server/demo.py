@@ -9,6 +9,7 @@ draft (demo_model/draft) shares the tokenizer, for speculative decoding
 
 from __future__ import annotations
 
+import argparse
 import logging
 from pathlib import Path
 
@@ -55,3 +56,18 @@ def missing_kernels() -> list[str]:
     kernels = {"modserve_paged_decode": DECODE_KERNEL, "modserve_cpu_kernels": LINEAR_KERNELS}
     return [name for name, source in kernels.items()
             if not (build_directory(name, str(source)) / f"{name}.so").exists()]
+
+
+# vLLM's flags that size the KV cache: given one, the demo keeps its own KV size off.
+VLLM_KV_SIZE_FLAGS = ("gpu_memory_utilization", "num_gpu_blocks_override", "kv_cache_memory_bytes")
+
+
+def use_demo_model(args: argparse.Namespace) -> None:
+    """Point ``args`` at the demo model, with its defaults for the flags the user did not give."""
+    logger.info("no --config or model: using the demo model (built in, trained on the King James Bible)")
+    args.cfg_model = str(demo_model_dir())
+    sized = any(getattr(args, f"cfg_{name}", None) is not None for name in KV_SIZE_FIELDS) or \
+        any(getattr(args, f"vllm_{name}", None) is not None for name in VLLM_KV_SIZE_FLAGS)
+    for name, value in DEMO_DEFAULTS.items():
+        if getattr(args, f"cfg_{name}") is None and not (sized and name in KV_SIZE_FIELDS):
+            setattr(args, f"cfg_{name}", value)

@@ -38,6 +38,9 @@ _ERROR_RESPONSE: dict[str, Any] = {
     },
 }
 
+# The routes an API key guards (every one but /health, /metrics, /version and the docs).
+PROTECTED_PREFIXES = ("/v1/", "/tokenize", "/detokenize")
+
 # Route -> (its JSON body, one event of its stream). An event's data is a chunk, an
 # error met mid-stream, or the closing "[DONE]".
 _GENERATION: dict[str, tuple[type[BaseModel], type[BaseModel]]] = {
@@ -61,9 +64,6 @@ def _names_model(path: str, op: Operation) -> bool:
 
 
 def _protected(path: str, op: Operation) -> bool:
-    # NOTE: imported here, not at the top: app.py imports this module.
-    from modserve.server.app import PROTECTED_PREFIXES
-
     return path.startswith(PROTECTED_PREFIXES)
 
 

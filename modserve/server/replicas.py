@@ -28,7 +28,7 @@ from itertools import count
 from typing import Any, Callable, Literal, Mapping, Sequence
 
 from modserve.core.config import EngineConfig
-from modserve.core.engine import LLMEngine
+from modserve.engine.engine import LLMEngine
 from modserve.core.sampling_params import SamplingParams
 from modserve.server.async_engine import AsyncEngine, EngineDead, EngineError, RequestObserver, RequestStream
 

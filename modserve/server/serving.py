@@ -16,7 +16,8 @@ from pydantic import BaseModel
 from modserve.core.outputs import CompletionOutput, RequestOutput
 from modserve.core.sampling_params import SamplingParams
 from modserve.server.chat_tokenizer import ChatTokenizer
-from modserve.core.grammar import START_TIMEOUT_S, CompilerClosed, timeout_message
+from modserve.engine.grammar_compile import START_TIMEOUT_S, CompilerClosed
+from modserve.engine.grammar import timeout_message
 from modserve.server.async_engine import (DEAD_MESSAGE, AsyncEngine, EngineDead, EngineError, EngineStopped,
                                           PluginFailed, RequestStream, ShuttingDown, StreamStalled)
 from modserve.server.errors import APIError, invalid

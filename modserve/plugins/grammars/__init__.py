@@ -2,7 +2,7 @@
 
 Registration imports neither library; each is imported when a backend is first used.
 ``auto`` is not registered here: it is the core's choice among these (see
-:mod:`modserve.core.grammar`).
+:mod:`modserve.engine.grammar`).
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 The ~50 small ops of a layer (norms, RoPE, SiLU, residual adds) cost more in dispatch than
 in arithmetic. A model hands its layer to :func:`compiler` (``CausalLM.compile_regions``),
 so it becomes one inductor graph; attention inside it is an opaque custom op
-(:mod:`modserve.core.forward_context`), so the backend stays a plugin, called eagerly.
+(:mod:`modserve.runner.forward_context`), so the backend stays a plugin, called eagerly.
 
 ``dynamic=True`` makes one graph for every batch size >= 2; dynamo specializes size 1
 by itself, which is the graph that takes a linear method's single-row branch.

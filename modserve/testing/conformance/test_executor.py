@@ -17,7 +17,7 @@ from typing import Iterator
 
 import pytest
 
-from modserve.core.engine import EngineDeadError
+from modserve.engine.engine import EngineDeadError
 from modserve.core.sampling_params import SamplingParams
 from modserve.testing.conformance.targets import Implementation
 from modserve.testing.conformance.tp_engines import (

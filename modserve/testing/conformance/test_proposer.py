@@ -7,6 +7,8 @@ and sequences whose KV blocks cover ``1 + num_tokens[i]`` new tokens, as the eng
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
@@ -25,6 +27,7 @@ NUM_TOKENS = [4, 0, 2, 3, 1]  # per sequence, the drafts it may get (0: none thi
 def context() -> ProposerContext:
     from modserve.core.config import EngineConfig, PluginChoice
     from modserve.core.registry import get_registry
+    from modserve.runner.model_runner import load_draft
 
     target = str(cached_checkpoint("llama", "tiny"))
     config = EngineConfig(model=target, dtype="float32", block_size=BLOCK_SIZE, max_model_len=MAX_MODEL_LEN,
@@ -32,8 +35,10 @@ def context() -> ProposerContext:
     registry = get_registry()
     vocab_size = 4096  # the tiny preset's
     sampler = registry.create("sampler", PluginChoice(name="default"), vocab_size)
+    draft = functools.partial(load_draft, config=config, registry=registry, dtype=torch.float32,
+                              num_blocks=NUM_BLOCKS, max_model_len=MAX_MODEL_LEN, vocab_size=vocab_size)
     return ProposerContext(config, registry, torch.device("cpu"), torch.float32, NUM_BLOCKS, BLOCK_SIZE,
-                           MAX_MODEL_LEN, vocab_size, sampler)
+                           MAX_MODEL_LEN, vocab_size, sampler, draft)
 
 
 @pytest.fixture(scope="module")

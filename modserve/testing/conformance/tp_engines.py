@@ -25,7 +25,7 @@ from typing import Any, Callable, Iterator
 import pytest
 
 from modserve.core.config import EngineConfig
-from modserve.core.engine import LLMEngine
+from modserve.engine.engine import LLMEngine
 from modserve.core.registry import Registry, get_registry
 from modserve.core.sampling_params import SamplingParams
 from modserve.testing import cached_checkpoint

@@ -127,7 +127,7 @@ def _bf16_gemm_problem(dtype_setting: str, compute: torch.dtype, checkpoint: tor
 
 
 def to_bf16_weights(model: nn.Module) -> int:
-    """Replace every :func:`~modserve.core.linear.float_layers` layer's float32 weight by
+    """Replace every :func:`~modserve.runner.linear.float_layers` layer's float32 weight by
     its bfloat16 value (exact for a bf16 checkpoint), except a head tied to the embedding,
     which keeps the embedding's float32 rows; returns the bytes a decode step then reads."""
     targets = float_layers(model)
@@ -164,7 +164,7 @@ def decode_weight_dtype(dtype_setting: str, compute: torch.dtype, checkpoint: to
 
 
 def add_decode_weights(model: nn.Module, dtype: torch.dtype) -> int:
-    """Give every :func:`~modserve.core.linear.float_layers` layer (the LM head among them) a
+    """Give every :func:`~modserve.runner.linear.float_layers` layer (the LM head among them) a
     ``decode_weight`` buffer in ``dtype``; returns the bytes batch-1 decode then reads (a
     quantized linear's own weights count as they are)."""
     targets = float_layers(model)

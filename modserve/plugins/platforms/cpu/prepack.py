@@ -36,7 +36,7 @@ def to_panels(weight: torch.Tensor) -> torch.Tensor:
 
 
 def add_packed_weights(model: nn.Module) -> int:
-    """Give every :func:`~modserve.core.linear.float_layers` layer (linears, the LM head) a
+    """Give every :func:`~modserve.runner.linear.float_layers` layer (linears, the LM head) a
     ``packed_weight`` attribute, panels where the C++ kernel is built, else oneDNN's
     layout (logged); returns the bytes the packed copies take."""
     panels = bf16_linear_ready()
@@ -58,7 +58,7 @@ BF16_PACK_ROWS = 64
 
 
 def add_bf16_packed_weights(model: nn.Module) -> int:
-    """Give every :func:`~modserve.core.linear.float_layers` layer whose weight is bf16 (the
+    """Give every :func:`~modserve.runner.linear.float_layers` layer whose weight is bf16 (the
     ``bf16_gemm`` route) a ``packed_weight``: oneDNN's blocked layout of it, which a GEMM of a
     decode batch reads without reordering the weight on every call; returns its bytes."""
     total = 0

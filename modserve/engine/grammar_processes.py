@@ -6,7 +6,7 @@ send the result back as the backend's ``serialize`` bytes. A compile past its de
 is killed (its worker too, and another takes its place), and a worker's address space is
 capped at ``grammar_compile_memory_mb`` above what its imports took.
 
-Workers are forked from a template process (:mod:`modserve.core.grammar_worker`) that
+Workers are forked from a template process (:mod:`modserve.engine.grammar_worker`) that
 imported the backends once, so a replacement is ready at once. The template is a fresh
 interpreter importing only that module, started on the first compile: the engine's
 process runs torch threads (a fork of it is unsafe), and multiprocessing's spawn would
@@ -31,8 +31,8 @@ from multiprocessing.reduction import recv_handle
 from typing import Any, Callable
 
 from modserve.core.config import PluginChoice
-from modserve.core.grammar import START_TIMEOUT_S, CompilerClosed
-from modserve.core.grammar_worker import WorkerSetup
+from modserve.engine.grammar_compile import START_TIMEOUT_S, CompilerClosed
+from modserve.engine.grammar_worker import WorkerSetup
 from modserve.core.registry import Registration
 from modserve.core.structured_outputs import GrammarSpec
 
@@ -61,7 +61,7 @@ class _Template:
 
     def __init__(self) -> None:
         self.conn, self._theirs = Pipe()
-        command = [sys.executable, "-c", f"from modserve.core.grammar_worker import template_main; "
+        command = [sys.executable, "-c", f"from modserve.engine.grammar_worker import template_main; "
                    f"template_main({self._theirs.fileno()})"]
         self.process = subprocess.Popen(command, pass_fds=[self._theirs.fileno()], stdin=subprocess.DEVNULL)
         self._lock = threading.Lock()

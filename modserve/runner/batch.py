@@ -7,7 +7,7 @@ import itertools
 import numpy as np
 import torch
 
-from modserve.core.interfaces import AttentionMetadata
+from modserve.core.contracts.attention_backend import AttentionMetadata
 
 
 # A decode step of up to this many sequences gets its positions and slots from Python lists,

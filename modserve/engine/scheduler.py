@@ -12,19 +12,16 @@ from __future__ import annotations
 
 import hashlib
 from collections import deque
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Literal
+from typing import Literal
 
-from modserve.core.interfaces import (BlockTransfer, KVAllocator, KVConnector, KVRole, Schedule, Scheduler,
-                                      SchedulerLimits, SchedulerView)
+from modserve.core.contracts.kv_connector import BlockTransfer, KVConnector, KVRole
+from modserve.core.contracts.kv_allocator import KVAllocator
+from modserve.core.contracts.scheduler import Schedule, Scheduler, SchedulerLimits, SchedulerView
 from modserve.core.plugin_calls import broke, calling, described, failed, who
 from modserve.core.registry import PluginError
 from modserve.core.sequence import Sequence, SequenceStatus
+from modserve.core.step import ModelOutput, ScheduledStep
 
-if TYPE_CHECKING:
-    import torch
-
-    from modserve.core.model_runner import ModelOutput
 
 
 class SwapSpace:
@@ -47,29 +44,6 @@ class SwapSpace:
         self.free_ids.extend(ids)
 
 
-@dataclass(slots=True)
-class ScheduledStep:
-    """One step as scheduled: what the runner computes, and the block moves before it."""
-
-    seqs: list[Sequence]
-    num_new_tokens: list[int]  # per sequence; a speculating one's drafts included
-    preempted: list[Sequence]
-    copies: list[tuple[int, int]] = field(default_factory=list)  # device block -> device block
-    swap_out: list[tuple[int, int]] = field(default_factory=list)  # device block -> host block
-    swap_in: list[tuple[int, int]] = field(default_factory=list)  # host block -> device block
-    # Speculative decoding: the drafts each speculating sequence computes after its last
-    # real token (vLLM's scheduled_spec_decode_tokens), and [len(drafts), V] the
-    # distributions they were drawn from (absent: drawn deterministically, q one-hot).
-    draft_tokens: dict[Sequence, list[int]] = field(default_factory=dict)
-    draft_probs: dict[Sequence, torch.Tensor] = field(default_factory=dict)
-    # A KV connector's work: blocks of newly admitted sequences to load before the forward,
-    # and full prompt blocks complete by the end of the step to save as they are written.
-    kv_loads: dict[Sequence, list[BlockTransfer]] = field(default_factory=dict)
-    kv_saves: dict[Sequence, list[BlockTransfer]] = field(default_factory=dict)
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(self.num_new_tokens)
 
 
 class SchedulerCore(SchedulerView):

@@ -10,7 +10,7 @@ from typing import Any
 from tokenizers.decoders import DecodeStream
 from transformers import AutoTokenizer
 
-from modserve.core.loader import generation_eos_ids
+from modserve.runner.loader import generation_eos_ids
 
 
 class Tokenizer:

@@ -1,9 +1,9 @@
-"""Linear layers whose weights a :class:`~modserve.core.interfaces.Quantizer` owns.
+"""Linear layers whose weights a :class:`~modserve.core.contracts.quantizer.Quantizer` owns.
 
 A model asks for its projections through ``make_linear(in, out, bias=, shard_sizes=)``
 and never sees how they are stored: the selected quantizer's format, or without one
 float weights multiplied by the platform's linear method (:class:`Unquantized` or a
-subclass: :meth:`~modserve.core.interfaces.Platform.linear_method`). Its LM head comes from
+subclass: :meth:`~modserve.core.contracts.platform.Platform.linear_method`). Its LM head comes from
 ``make_linear.lm_head(hidden, vocab)``: float, by that same method, whatever the quantizer.
 After loading, the core calls :func:`finish_linears`: every tensor arrived, then each
 quantizer post-processes.
@@ -12,15 +12,16 @@ quantizer post-processes.
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator
+from typing import Any, Iterator
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from modserve.core.interfaces import LinearSpec, MoEBackend, Quantizer, TensorLayout
-from modserve.core.parallel import TensorParallel
-from modserve.core.plugin_calls import quantized_apply
+from modserve.core.contracts.quantizer import LinearSpec, Quantizer, TensorLayout
+from modserve.core.contracts.moe_backend import MoEBackend
+from modserve.core.plugin_calls import broke, described, failed
+from modserve.runner.parallel import TensorParallel
 
 
 BIAS_LAYOUT = TensorLayout(out_dim=0, in_dim=None)  # [out]: a row-parallel layer's is whole on every rank
@@ -295,3 +296,19 @@ def load_shard(dst: torch.Tensor, src: torch.Tensor, spec: LinearSpec, shard: in
                          f"expected {tuple(part.shape)}")
     with torch.no_grad():
         part.copy_(src)
+
+
+def quantized_apply(layer: Any, x: torch.Tensor) -> torch.Tensor:
+    """``layer.quantizer.apply(layer, x)`` run eagerly: what it raises names the quantizer, and
+    a layer's first call checks that it gives ``[T, out]``."""
+    q = layer.quantizer
+    try:  # NOTE: every linear of every layer: a bare try costs nothing, a context manager would
+        out = q.apply(layer, x)
+    except Exception as e:
+        raise failed(q, "quantizer", "apply()", e) from e
+    if not layer.checked:
+        want = (*x.shape[:-1], layer.spec.out_features)
+        if not isinstance(out, torch.Tensor) or out.shape != want:
+            raise broke(q, "quantizer", "apply()", f"a tensor of shape {list(want)} ([T, out])", described(out))
+        layer.checked = True
+    return out

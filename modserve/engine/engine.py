@@ -13,20 +13,26 @@ from typing import Any
 import torch
 
 from modserve.core.config import EngineConfig
-from modserve.core.grammar import AUTO, CompiledGrammar, GrammarCompiler, wait_any
-from modserve.core.interfaces import GrammarMatcher, Platform, SamplerOutput, SchedulerLimits
-from modserve.core.loader import checkpoint_dtype, load_hf_config
-from modserve.core.model_runner import ModelOutput, ModelRunner
-from modserve.core.parallel import PipelineStage, RanksOutOfStep
+from modserve.engine.grammar import AUTO, GrammarCompiler, wait_any
+from modserve.engine.grammar_compile import CompiledGrammar
+from modserve.core.contracts.grammar_backend import GrammarMatcher
+from modserve.core.contracts.platform import Platform
+from modserve.core.contracts.sampler import SamplerOutput
+from modserve.core.contracts.scheduler import SchedulerLimits
+from modserve.runner.loader import checkpoint_dtype, load_hf_config, resolve_max_model_len
+from modserve.core.step import ModelOutput
+from modserve.runner.model_runner import ModelRunner
+from modserve.runner.parallel import PipelineStage, RanksOutOfStep
 from modserve.core.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from modserve.core.plugin_calls import calling
 from modserve.core.registry import PluginError, Registry, get_registry
 from modserve.core.sampling_params import SamplingParams
-from modserve.core.scheduler import ScheduledStep, SchedulerCore, SwapSpace
+from modserve.core.step import ScheduledStep
+from modserve.engine.scheduler import SchedulerCore, SwapSpace
 from modserve.core.sequence import Sequence, SequenceStatus
-from modserve.core.spec_decode import SpecDecode
-from modserve.core.tokenizer import Tokenizer
-from modserve.core.worker import start_ranks, stop_ranks
+from modserve.engine.spec_decode import SpecDecode
+from modserve.engine.tokenizer import Tokenizer
+from modserve.runner.ranks import start_ranks, stop_ranks
 
 logger = logging.getLogger("modserve")
 WORKER_EXIT_GRACE = 0.5  # seconds, see LLMEngine._worker_failure
@@ -653,17 +659,3 @@ def _logprob_entry(out: SamplerOutput, row: int, num_top: int) -> dict[str, Any]
     return entry
 
 
-def resolve_max_model_len(config: EngineConfig, hf_config: Any) -> int:
-    limit = getattr(hf_config, "max_position_embeddings", None) or 2048
-    window = getattr(hf_config, "sliding_window", None)
-    if window and getattr(hf_config, "use_sliding_window", True):
-        # NOTE: the attention backends attend to the full context; past the window
-        # that would differ from the model, so the context is capped at the window.
-        if window < limit:
-            logger.info("max_model_len capped at the sliding window (%d tokens)", window)
-        limit = min(limit, window)
-    if config.max_model_len is None:
-        return limit
-    if config.max_model_len > limit:
-        raise ValueError(f"max_model_len={config.max_model_len} exceeds the model's limit of {limit} tokens")
-    return config.max_model_len

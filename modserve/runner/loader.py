@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -11,6 +12,10 @@ import torch
 from safetensors import safe_open
 from tqdm import tqdm
 from transformers import AutoConfig
+
+from modserve.core.config import EngineConfig
+
+logger = logging.getLogger("modserve")
 
 
 def load_hf_config(model_dir: str | Path) -> Any:
@@ -78,3 +83,19 @@ def generation_eos_ids(model_dir: str | Path) -> set[int]:
     if eos is None:
         return set()
     return {eos} if isinstance(eos, int) else set(eos)
+
+
+def resolve_max_model_len(config: EngineConfig, hf_config: Any) -> int:
+    limit = getattr(hf_config, "max_position_embeddings", None) or 2048
+    window = getattr(hf_config, "sliding_window", None)
+    if window and getattr(hf_config, "use_sliding_window", True):
+        # NOTE: the attention backends attend to the full context; past the window
+        # that would differ from the model, so the context is capped at the window.
+        if window < limit:
+            logger.info("max_model_len capped at the sliding window (%d tokens)", window)
+        limit = min(limit, window)
+    if config.max_model_len is None:
+        return limit
+    if config.max_model_len > limit:
+        raise ValueError(f"max_model_len={config.max_model_len} exceeds the model's limit of {limit} tokens")
+    return config.max_model_len

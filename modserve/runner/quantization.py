@@ -14,8 +14,8 @@ from typing import Any
 import torch
 
 from modserve.core.config import PluginChoice
-from modserve.core.interfaces import Quantizer
-from modserve.core.linear import default_dtype, linear_factory, planned_model_bytes
+from modserve.core.contracts.quantizer import Quantizer
+from modserve.runner.linear import default_dtype, linear_factory, planned_model_bytes
 from modserve.core.registry import Registry
 
 KV_CACHE_DTYPES = {"bfloat16": torch.bfloat16, "fp8_e4m3": torch.float8_e4m3fn}
@@ -63,7 +63,7 @@ def planned_weight_bytes(model_dir: str | Path, quantization: str | dict | None,
                          device: torch.device | str = "cpu", registry: Registry | None = None) -> int:
     """Bytes the engine will hold for this checkpoint's weights: the model built on "meta",
     each linear as its quantizer plans it, everything else (embeddings, norms, lm_head) in ``dtype``."""
-    from modserve.core.loader import load_hf_config
+    from modserve.runner.loader import load_hf_config
     from modserve.core.registry import get_registry
 
     registry = registry or get_registry()

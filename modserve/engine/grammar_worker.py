@@ -1,4 +1,4 @@
-"""The grammar compile processes' side (see :mod:`modserve.core.grammar_processes`).
+"""The grammar compile processes' side (see :mod:`modserve.engine.grammar_processes`).
 
 The template process imports the backends' libraries and builds the backends once, then
 forks a worker whenever the engine asks: a worker is ready in milliseconds, and shares the
@@ -20,7 +20,7 @@ from multiprocessing.reduction import send_handle
 from typing import Any
 
 from modserve.core.config import PluginChoice
-from modserve.core.grammar import compile_spec, out_of_memory
+from modserve.engine.grammar_compile import compile_spec, out_of_memory
 from modserve.core.plugin_calls import broke, calling, described
 from modserve.core.registry import PluginError, Registration
 

@@ -8,30 +8,29 @@ import itertools
 import logging
 import re
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable
 
 import numpy as np
 import torch
 
-from modserve.core.batch import build_batch, micro_batch_count, split_batch
+from modserve.runner.batch import build_batch, micro_batch_count, split_batch
 from modserve.core.config import EngineConfig
-from modserve.core.grammar import fill_token_bitmask
-from modserve.core.forward_context import after_each_layer
-from modserve.core.interfaces import (AttentionMetadata, AttentionSpec, BlockTransfer, GraphSettings, KVConnector,
-                                      KVConnectorContext, ModelLoad, Platform, SamplerOutput, SamplingBatch,
-                                      StepForward)
-from modserve.core.linear import default_dtype, finish_linears, linear_factory, model_bytes
-from modserve.core.loader import checkpoint_digest, checkpoint_dtype, iter_weights
-from modserve.core.parallel import PipelineStage, RanksOutOfStep, TensorParallel
+from modserve.runner.sampling import fill_token_bitmask
+from modserve.runner.forward_context import after_each_layer
+from modserve.core.contracts.attention_backend import AttentionMetadata, AttentionSpec
+from modserve.core.contracts.kv_connector import BlockTransfer, KVConnector, KVConnectorContext
+from modserve.core.contracts.platform import GraphSettings, ModelLoad, Platform, StepForward
+from modserve.core.contracts.sampler import SamplerOutput, SamplingBatch
+from modserve.runner.linear import Unquantized, default_dtype, finish_linears, linear_factory, model_bytes
+from modserve.runner.loader import checkpoint_digest, checkpoint_dtype, iter_weights, load_hf_config
+from modserve.runner.parallel import PipelineStage, RanksOutOfStep, TensorParallel
 from modserve.core.plugin_calls import broke, calling, described, sampled_ids
-from modserve.core.quantization import kv_cache_dtype, select_quantizer
+from modserve.runner.quantization import kv_cache_dtype, select_quantizer
 from modserve.core.registry import Registry
-from modserve.core.sampling import add_logprobs
+from modserve.runner.sampling import add_logprobs
 from modserve.core.sequence import Sequence
-from modserve.core.spec_decode import verify_drafts
-
-if TYPE_CHECKING:
-    from modserve.core.scheduler import ScheduledStep
+from modserve.runner.rejection import verify_drafts
+from modserve.core.step import ModelOutput, ScheduledStep
 
 logger = logging.getLogger("modserve")
 # SamplingParams' float settings, in SamplingBatch's order less top_k
@@ -55,20 +54,6 @@ class ModelInput:
     prompt_targets: list[int] = field(default_factory=list)  # [P'] the prompt token each one predicts
 
 
-@dataclass(slots=True)
-class ModelOutput:
-    """What one executed step produced, the same for every sequence that got tokens."""
-
-    # Per sequence: its sampled token, or its accepted drafts and one token more. The
-    # samples (n > 1) forked this step follow their parent; the order is the rows' order.
-    token_ids: dict[Sequence, list[int]] = field(default_factory=dict)
-    # One row per token above, in that order: the logprob, rank and top logprobs of the row
-    # it was drawn from. None when no sequence asked for logprobs.
-    samples: SamplerOutput | None = None
-    # Prompt logprobs (ModelInput.prompt_seqs) and their rows, on the CPU: token_ids are the
-    # prompt tokens predicted, their logprobs, ranks and the top N of every row.
-    prompt_seqs: dict[Sequence, tuple[int, int, int]] = field(default_factory=dict)
-    prompt_samples: SamplerOutput | None = None
 
 
 def _join_rows(parts: list[SamplerOutput]) -> SamplerOutput | None:
@@ -177,7 +162,7 @@ class ModelRunner:
             raise ValueError("config.json names no 'architectures'")
         model_cls = registry.load("model_architecture", archs[0])
         self.quantizer = select_quantizer(self.config.quantization, self.hf_config, registry)
-        make_linear = linear_factory(self.quantizer, self.dtype, self.device, self.platform.linear_method(), self.tp,
+        make_linear = linear_factory(self.quantizer, self.dtype, self.device, self.platform.linear_method() or Unquantized(), self.tp,
                                      self.layers, registry.create("moe_backend", self.config.moe_backend),
                                      self.config.enable_expert_parallel)
         with torch.device("meta"), default_dtype(self.dtype):
@@ -501,3 +486,19 @@ class ModelRunner:
         for i, r in enumerate(rows):
             out[i, : len(r)] = r
         return torch.from_numpy(out).to(self.device)
+
+
+def load_draft(model: str, *, config: EngineConfig, registry: Registry, dtype: torch.dtype, num_blocks: int,
+               max_model_len: int, vocab_size: int) -> ModelRunner:
+    """What :attr:`ProposerContext.load_model` gives a proposer: a second checkpoint sharing the
+    target's tokenizer, on the target's device and dtype, with KV tensors of its own for
+    ``num_blocks`` blocks (indexed by the target's block tables)."""
+    hf_config = load_hf_config(model)
+    if hf_config.vocab_size != vocab_size:
+        raise ValueError(f"draft vocab_size {hf_config.vocab_size} differs from the target's "
+                         f"{vocab_size}: the draft must share the tokenizer")
+    # No CUDA graphs: a draft runs its own forward, never the captured step.
+    config = config.model_copy(update={"model": model, "quantization": None, "cuda_graph_sizes": []})
+    runner = ModelRunner(config, hf_config, registry, dtype, max_model_len, set(), progress=False)
+    runner.allocate_kv_cache(num_blocks)
+    return runner

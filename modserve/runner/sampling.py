@@ -1,11 +1,13 @@
 """Sampling primitives every sampler, proposer and the verifier share: one draw per row,
-and the logprob fields of a :class:`~modserve.core.interfaces.SamplerOutput`."""
+and the logprob fields of a :class:`~modserve.core.contracts.sampler.SamplerOutput`."""
 
 from __future__ import annotations
 
 import torch
 
-from modserve.core.interfaces import SamplerOutput
+from modserve.core.contracts.sampler import SamplerOutput
+from modserve.core.plugin_calls import calling
+from modserve.core.sequence import Sequence
 
 
 def sample_rows(probs: torch.Tensor, generators: dict[int, torch.Generator]) -> torch.Tensor:
@@ -29,3 +31,17 @@ def add_logprobs(out: SamplerOutput, raw_logprobs: torch.Tensor, num_top: int) -
     out.ranks = (raw_logprobs > out.logprobs.unsqueeze(1)).sum(dim=-1) + 1  # [B], 1 = most likely
     if num_top > 0:
         out.top_logprobs, out.top_ids = raw_logprobs.topk(min(num_top, raw_logprobs.shape[-1]), dim=-1)  # [B, K]
+
+
+def fill_token_bitmask(seqs: list[Sequence], vocab_size: int, device: torch.device) -> torch.Tensor | None:
+    """The step's [B, ceil(V / 32)] int32 mask on ``device``: each constrained row from
+    its matcher (matchers fill CPU memory), the other rows all ones; None when no row
+    is constrained."""
+    rows = [(i, s.grammar) for i, s in enumerate(seqs) if s.grammar is not None]
+    if not rows:
+        return None
+    bitmask = torch.full((len(seqs), (vocab_size + 31) // 32), -1, dtype=torch.int32)
+    for row, matcher in rows:
+        with calling(matcher, "grammar_backend", "matcher.fill_bitmask()"):
+            matcher.fill_bitmask(bitmask, row)
+    return bitmask.to(device, non_blocking=True)

@@ -17,8 +17,9 @@ import time
 import torch.distributed as dist
 
 from modserve.core.config import EngineConfig
-from modserve.core.interfaces import Executor, Platform, WorkerSpec
-from modserve.core.parallel import PipelineStage, TensorParallel, init_parallel
+from modserve.core.contracts.executor import Executor, WorkerSpec
+from modserve.core.contracts.platform import Platform
+from modserve.runner.parallel import PipelineStage, TensorParallel, init_parallel
 from modserve.core.registry import Registry
 
 logger = logging.getLogger("modserve")

@@ -10,28 +10,27 @@ A speculating sequence goes through one step as:
    the request's grammar accepts) travel in ``ScheduledStep.draft_tokens``, and the
    sequence's scheduled tokens shrink to ``1 + len(drafts)``.
 3. The runner computes the last real token and the drafts in one pass and calls
-   ``verify_drafts``: rejection sampling against the target (:mod:`modserve.core.speculative`).
+   ``verify_drafts``: rejection sampling against the target (:mod:`modserve.runner.rejection`).
 4. ``SchedulerCore.update`` keeps the KV of the accepted drafts only.
 """
 
 from __future__ import annotations
 
-import itertools
+import functools
 from typing import TYPE_CHECKING, Any, Callable, Iterable
 
-import torch
 
-from modserve.core.interfaces import Proposer, ProposerContext, SamplerOutput
-from modserve.core.plugin_calls import calling, checked_probs, checked_proposal
+from modserve.core.contracts.proposer import Proposer, ProposerContext
+from modserve.core.plugin_calls import calling, checked_proposal
 from modserve.core.sequence import Sequence
-from modserve.core.sampling import add_logprobs
-from modserve.core.speculative import verify
+from modserve.runner.model_runner import load_draft
 
 if TYPE_CHECKING:
     from modserve.core.config import EngineConfig
-    from modserve.core.model_runner import ModelOutput, ModelRunner
+    from modserve.core.step import ModelOutput
+    from modserve.runner.model_runner import ModelRunner
     from modserve.core.registry import Registry
-    from modserve.core.scheduler import ScheduledStep
+    from modserve.core.step import ScheduledStep
 
 
 class SpecDecode:
@@ -52,8 +51,10 @@ class SpecDecode:
         spec = config.speculative
         if spec is None:
             return cls(None, 0, max_model_len, runner.vocab_size)
+        draft = functools.partial(load_draft, config=config, registry=registry, dtype=runner.dtype,
+                                  num_blocks=num_blocks, max_model_len=max_model_len, vocab_size=runner.vocab_size)
         context = ProposerContext(config, registry, runner.device, runner.dtype, num_blocks, config.block_size,
-                                  max_model_len, runner.vocab_size, runner.sampler)
+                                  max_model_len, runner.vocab_size, runner.sampler, draft)
         return cls(registry.create("proposer", spec.proposer, context), spec.num_speculative_tokens, max_model_len,
                    runner.vocab_size)
 
@@ -131,56 +132,5 @@ def _grammar_prefix(matcher: Any, drafts: list[int]) -> list[int]:
     return drafts[:accepted]
 
 
-def verify_drafts(runner: ModelRunner, seqs: list[Sequence], drafts: list[list[int]],
-                  draft_probs: list[torch.Tensor | None],
-                  logits: torch.Tensor) -> tuple[list[list[int]], SamplerOutput]:
-    """Rejection-sample each sequence's drafts against the target. ``logits`` [R, V] hold, per
-    sequence, the rows of its last real token and of each draft; ``draft_probs[i]`` [k_i, V]
-    the distributions sequence i's drafts were drawn from (None: one-hot). Returns per
-    sequence the emitted tokens (accepted drafts and one more) and one output row per
-    emitted token, with the raw logprobs of the row it was drawn from."""
-    counts = [1 + len(d) for d in drafts]
-    K = max(counts) - 1
-    starts = [0, *itertools.accumulate(counts)][:-1]
-    dev = runner.device
-    # Each row's processed distribution, with its sequence's settings.
-    rep = runner.sampling_batch([s for s, c in zip(seqs, counts) for _ in range(c)])
-    if rep.allowed_token_bitmask is not None:
-        rep.allowed_token_bitmask = _draft_bitmask(seqs, drafts, starts, sum(counts), runner.vocab_size, dev)
-    with calling(runner.sampler, "sampler", "probs()"):
-        probs = checked_probs(runner.sampler, runner.sampler.probs(logits, rep), logits)  # [R, V]
-    pos = torch.tensor([[st + min(j, c - 1) for j in range(K + 1)] for st, c in zip(starts, counts)],
-                       device=dev)  # [B, K+1] rows, the last repeated as padding
-    padded = torch.tensor([d + [0] * (K - len(d)) for d in drafts], device=dev)  # [B, K]
-    q = None
-    if any(p is not None for p in draft_probs):
-        q = torch.zeros(len(seqs), K, probs.shape[1], device=dev)  # [B, K, V]
-        for b, (d, p) in enumerate(zip(drafts, draft_probs)):
-            q[b, : len(d)] = p if p is not None else \
-                torch.nn.functional.one_hot(torch.tensor(d, device=dev), probs.shape[1])
-    batch = runner.sampling_batch(seqs)
-    verified = verify(probs[pos], padded, [c - 1 for c in counts], q, batch.temperature == 0, batch.generators)
-    # Per emitted token, the raw logprobs of the row it was drawn from.
-    emitted = [st + j for st, toks in zip(starts, verified.token_ids) for j in range(len(toks))]
-    out = SamplerOutput(token_ids=torch.tensor([t for toks in verified.token_ids for t in toks]))
-    if batch.max_num_logprobs >= 0:
-        add_logprobs(out, logits[emitted].float().log_softmax(dim=-1), batch.max_num_logprobs)  # [E, V]
-    return verified.token_ids, out
 
 
-def _draft_bitmask(seqs: list[Sequence], drafts: list[list[int]], starts: list[int], num_rows: int,
-                   vocab_size: int, device: torch.device) -> torch.Tensor:
-    """Grammar masks for verification: the row of draft position j holds the grammar
-    state after the first j drafts (drafts were checked against it when proposed)."""
-    mask = torch.full((num_rows, (vocab_size + 31) // 32), -1, dtype=torch.int32)
-    for seq, tokens, start in zip(seqs, drafts, starts):
-        matcher = seq.grammar
-        if matcher is None:
-            continue
-        for j, token in enumerate([None, *tokens]):
-            if token is not None:
-                matcher.accept_token(token)
-            if not matcher.is_terminated():  # past the end every token is dropped anyway
-                matcher.fill_bitmask(mask, start + j)
-        matcher.rollback(len(tokens))
-    return mask.to(device, non_blocking=True)

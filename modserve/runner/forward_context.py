@@ -18,7 +18,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from modserve.core.interfaces import AttentionBackend, AttentionMetadata
+from modserve.core.contracts.attention_backend import AttentionBackend, AttentionMetadata
 from modserve.core.plugin_calls import broke, described, failed
 
 

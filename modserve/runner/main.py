@@ -15,13 +15,14 @@ import torch
 import torch.distributed as dist
 
 from modserve.core.config import EngineConfig
-from modserve.core.engine import resolve_max_model_len
-from modserve.core.interfaces import Platform, WorkerSpec
-from modserve.core.loader import checkpoint_dtype, load_hf_config
-from modserve.core.model_runner import ModelRunner
-from modserve.core.parallel import init_parallel
+from modserve.runner.loader import resolve_max_model_len
+from modserve.core.contracts.platform import Platform
+from modserve.core.contracts.executor import WorkerSpec
+from modserve.runner.loader import checkpoint_dtype, load_hf_config
+from modserve.runner.model_runner import ModelRunner
+from modserve.runner.parallel import init_parallel
 from modserve.core.registry import Registry
-from modserve.core.worker import STOP
+from modserve.runner.ranks import STOP
 
 
 def run_worker(spec: WorkerSpec) -> None:

@@ -4,7 +4,7 @@
 once, and later requests with the same (kind, spec, tokenizer) share it from an
 LRU cache. The engine keeps a request out of the scheduler until its Future is
 done, so other requests keep decoding meanwhile. Workers are processes
-(:mod:`modserve.core.grammar_processes`: a compile past the timeout is killed), or
+(:mod:`modserve.engine.grammar_processes`: a compile past the timeout is killed), or
 threads with ``grammar_compile_isolation=thread`` (cheaper to start, never stopped).
 
 ``auto`` is core behaviour, not a plugin: it tries the registered backends in
@@ -16,53 +16,25 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor, wait
-from dataclasses import dataclass
-from typing import Any, Callable, Iterable
+from typing import Any, Iterable
 
-import torch
 
 from modserve.core.config import PluginChoice
-from modserve.core.interfaces import GrammarBackend, GrammarMatcher, GrammarVocab
-from modserve.core.plugin_calls import broke, calling, described, failed
-from modserve.core.registry import PluginError, Registry, mark, registration_of
-from modserve.core.sequence import Sequence
+from modserve.core.contracts.grammar_backend import GrammarBackend, GrammarVocab
+from modserve.core.plugin_calls import calling
+from modserve.core.registry import PluginError, Registry
 from modserve.core.structured_outputs import GrammarSpec
+from modserve.engine.grammar_compile import START_TIMEOUT_S, CompiledGrammar, compile_spec
 
 logger = logging.getLogger("modserve")
 
 AUTO = "auto"
-# Rollback depth every matcher supports: enough for speculative decoding's drafts.
-MAX_ROLLBACK = 32
-START_TIMEOUT_S = 120.0  # a compile worker process's imports and backends, on a busy machine
 
 
-class CompilerClosed(RuntimeError):
-    """A compile that was queued or running when the compiler shut down."""
-
-    def __init__(self) -> None:
-        super().__init__("the grammar compiler was shut down")
 
 
-@dataclass(frozen=True, slots=True)
-class CompiledGrammar:
-    """A compiled spec and the backend that made it (and makes its matchers)."""
-
-    backend_name: str
-    backend: GrammarBackend
-    compiled: Any
-    spec: GrammarSpec
-    compile_seconds: float
-
-    def matcher(self) -> GrammarMatcher:
-        with calling(self.backend, "grammar_backend", "matcher()"):
-            matcher = self.backend.matcher(self.compiled, MAX_ROLLBACK)
-        if not isinstance(matcher, GrammarMatcher):
-            raise broke(self.backend, "grammar_backend", "matcher()", "a GrammarMatcher", described(matcher))
-        mark(matcher, registration_of(self.backend))  # its errors name the backend too
-        return matcher
 
 
 class GrammarCompiler:
@@ -158,7 +130,7 @@ class GrammarCompiler:
         return self._workers.pids() if self._workers is not None else []
 
     def _processes(self) -> Any:
-        from modserve.core.grammar_processes import CompileWorkers  # NOTE: it imports this module
+        from modserve.engine.grammar_processes import CompileWorkers  # NOTE: it imports this module
 
         if self._workers is None:
             self._workers = CompileWorkers(
@@ -168,8 +140,8 @@ class GrammarCompiler:
         return self._workers
 
     def _worker_setup(self) -> Any:
-        from modserve.core.grammar_processes import picklable
-        from modserve.core.grammar_worker import WorkerSetup
+        from modserve.engine.grammar_processes import picklable
+        from modserve.engine.grammar_worker import WorkerSetup
 
         with self._backend_lock:
             if self._setup is None:
@@ -227,7 +199,7 @@ class GrammarCompiler:
         if self._vocab is None:
             from transformers import AutoTokenizer
 
-            from modserve.core.token_bytes import token_bytes
+            from modserve.engine.token_bytes import token_bytes
 
             # Its own tokenizer object: the engine thread's is never shared across threads.
             hf = AutoTokenizer.from_pretrained(self.tokenizer_path, local_files_only=True)
@@ -240,38 +212,8 @@ class GrammarCompiler:
                 "grammar_cache_misses": self.misses}
 
 
-def compile_spec(spec: GrammarSpec, names: list[str], backend_of: Callable[[str], GrammarBackend | Exception],
-                 single: bool) -> CompiledGrammar:
-    """Try the backends ``names`` in order; the first that compiles ``spec`` wins. A
-    ValueError gives each one's reason when none does (``single``: just the one's)."""
-    reasons = []
-    for name in names:
-        backend = backend_of(name)
-        if isinstance(backend, Exception):
-            reasons.append(f"{name}: unavailable ({backend})")
-            continue
-        if spec.kind not in backend.kinds:
-            reasons.append(f"{name}: does not support {spec.kind} constraints")
-            continue
-        start = time.perf_counter()
-        try:
-            compiled = backend.compile(spec)
-        except Exception as e:
-            if out_of_memory(e):  # a worker's memory cap: the spec's cost, not the backend's fault
-                raise MemoryError(str(e)) from e
-            if isinstance(e, ValueError):  # the contract's refusal: its reason is what the user needs
-                reasons.append(f"{name}: {e}")
-                continue
-            raise failed(backend, "grammar_backend", "compile()", e) from e  # the backend's fault
-        return CompiledGrammar(name, backend, compiled, spec, time.perf_counter() - start)
-    if single:
-        raise ValueError(f"{spec.kind} constraint refused: {reasons[0]}")
-    raise ValueError(f"no grammar backend accepted this {spec.kind} constraint: " + "; ".join(reasons))
 
 
-def out_of_memory(error: BaseException) -> bool:
-    """A MemoryError, or a C++ library's std::bad_alloc as its bindings raise it."""
-    return isinstance(error, MemoryError) or "bad_alloc" in str(error)
 
 
 def timeout_message(spec: GrammarSpec, timeout: float, stopped: bool = True) -> str:
@@ -290,15 +232,3 @@ def wait_any(futures: Iterable[Future], timeout: float) -> None:
     wait(list(futures), timeout=timeout, return_when="FIRST_COMPLETED")
 
 
-def fill_token_bitmask(seqs: list[Sequence], vocab_size: int, device: torch.device) -> torch.Tensor | None:
-    """The step's [B, ceil(V / 32)] int32 mask on ``device``: each constrained row from
-    its matcher (matchers fill CPU memory), the other rows all ones; None when no row
-    is constrained."""
-    rows = [(i, s.grammar) for i, s in enumerate(seqs) if s.grammar is not None]
-    if not rows:
-        return None
-    bitmask = torch.full((len(seqs), (vocab_size + 31) // 32), -1, dtype=torch.int32)
-    for row, matcher in rows:
-        with calling(matcher, "grammar_backend", "matcher.fill_bitmask()"):
-            matcher.fill_bitmask(bitmask, row)
-    return bitmask.to(device, non_blocking=True)

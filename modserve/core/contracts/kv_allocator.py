@@ -1,0 +1,113 @@
+"""The KV allocator's contract (config key ``kv_allocator``): who owns which KV block, and
+which full prompt blocks a new sequence can reuse.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Iterable
+
+from pydantic import BaseModel
+
+from modserve.core.sequence import Sequence
+
+
+class KVAllocator(ABC):
+    """Hands out the KV cache's blocks to sequences.
+
+    Contract: block ids are ints in ``[0, num_blocks)``; ``seq.block_ids`` is the
+    sequence's block table, owned by the allocator (callers only read it).
+    ``allocate`` is all-or-nothing. After ``free`` of every live sequence,
+    ``num_free_blocks() == num_blocks`` (blocks kept only as prefix cache count as
+    free: they are evicted on demand). Allocate and free are O(1) per block.
+    A block shared by several sequences is never written in place: ``allocate``
+    copies it first (copy-on-write) and reports the copy through ``take_copies``.
+    """
+
+    def __init__(self, num_blocks: int, block_size: int, max_model_len: int,
+                 options: BaseModel | None = None) -> None:
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.max_model_len = max_model_len
+        self.options = options
+
+    @abstractmethod
+    def num_free_blocks(self) -> int:
+        """Blocks that ``allocate`` could hand out now."""
+
+    def blocks_needed(self, seq: Sequence, num_tokens: int) -> int:
+        """New blocks ``allocate(seq, num_tokens)`` would take."""
+        needed = -(-num_tokens // self.block_size)
+        return max(0, needed - len(seq.block_ids))
+
+    def blocks_freed_by(self, seq: Sequence) -> int:
+        """Blocks that ``free(seq)`` would return (shared blocks stay with their other holders)."""
+        return len(seq.block_ids)
+
+    @abstractmethod
+    def allocate(self, seq: Sequence, num_tokens: int) -> bool:
+        """Make ``seq.block_ids`` cover ``num_tokens`` tokens, ready for writes from
+        ``seq.num_computed_tokens`` on. False (and no change) if short of blocks."""
+
+    @abstractmethod
+    def free(self, seq: Sequence) -> None:
+        """Release every block of ``seq`` and empty its table."""
+
+    def match_prefix(self, seq: Sequence) -> int:
+        """For a sequence with no blocks: attach cached blocks holding a prefix of its
+        tokens and return how many tokens they cover (always fewer than
+        ``seq.num_tokens``: the last token is computed to get logits).
+        Allocators without a prefix cache return 0."""
+        return 0
+
+    def cached_prefix_tokens(self, seq: Sequence) -> int:
+        """How many tokens ``match_prefix(seq)`` would attach now; changes nothing (a
+        scheduling policy may ask it of waiting sequences). Default: 0."""
+        return 0
+
+    def mark_computed(self, seq: Sequence) -> None:
+        """Called after a step wrote KV up to ``seq.num_computed_tokens``, so full
+        blocks can be published to a prefix cache. Default: nothing."""
+
+    def trim(self, seq: Sequence, num_tokens: int) -> None:
+        """Release blocks past the first ``num_tokens`` tokens (rejected speculative
+        slots). Default: keep them; the sequence reuses them as it grows."""
+
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        """Make ``child`` (no blocks yet) share all of ``parent``'s blocks."""
+        raise NotImplementedError(f"{type(self).__name__} does not support fork")
+
+    def take_copies(self) -> list[tuple[int, int]]:
+        """(source, destination) block copies that must happen before the next forward."""
+        return []
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix (blocks in use stay in use): later requests compute
+        their prompts in full. Default: nothing is cached, nothing to do."""
+
+    def stats(self) -> dict[str, float]:
+        """Counters for engine stats and /metrics."""
+        return {"num_blocks": self.num_blocks, "free_blocks": self.num_free_blocks()}
+
+    def check_integrity(self, holders: Iterable[Sequence] | None = None) -> None:
+        """Raise ``AssertionError`` (or ``ValueError``) describing the first inconsistency in the
+        allocator's bookkeeping: a block both free and held, a block neither free nor held, a
+        block id outside ``[0, num_blocks)``, a free count that differs from ``num_free_blocks()``.
+        With ``holders`` (every sequence holding blocks), also reference counts that do not match
+        the holders' block tables. Changes nothing; only tests call it (the conformance kit, after
+        every operation), so it need not be fast. Default: what the base class can see, the
+        free count's range and the holders' block ids."""
+        free = self.num_free_blocks()
+        if not 0 <= free <= self.num_blocks:
+            raise AssertionError(f"num_free_blocks() = {free}, outside [0, num_blocks={self.num_blocks}]")
+        held: set[int] = set()
+        for seq in holders or ():
+            bad = [b for b in seq.block_ids if not (isinstance(b, int) and 0 <= b < self.num_blocks)]
+            if bad:
+                raise AssertionError(f"sequence {seq.seq_id} holds block ids {bad}, outside [0, {self.num_blocks})")
+            if len(set(seq.block_ids)) != len(seq.block_ids):
+                raise AssertionError(f"sequence {seq.seq_id} lists a block twice: {seq.block_ids}")
+            held.update(seq.block_ids)
+        if len(held) + free > self.num_blocks:
+            raise AssertionError(f"{len(held)} blocks are held and num_free_blocks() = {free}: more than "
+                                 f"num_blocks={self.num_blocks}, so a held block counts as free")
