@@ -7,11 +7,13 @@ from itertools import count
 from pathlib import Path
 from typing import Any, Sequence as Seq
 
+import torch
 from tqdm import tqdm
 from transformers import PreTrainedTokenizerBase
 
 from modserve.core.config import EngineConfig, load_config_file
 from modserve.engine.engine import LLMEngine
+from modserve.engine.limits import EngineLimits
 from modserve.core.outputs import RequestOutput
 from modserve.core.registry import Registry
 from modserve.core.sampling_params import SamplingParams
@@ -80,6 +82,40 @@ class LLM:
         repeats a workload measures its prompts, not cache hits."""
         self.engine.allocator.reset_prefix_cache()
 
+    # -- what a benchmark reports of the engine: read here, so that callers never reach into it
+    @property
+    def limits(self) -> EngineLimits:
+        """What a request must satisfy on this engine (max_model_len, vocabulary, n, logprobs)."""
+        return self.engine.limits
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The dtype the model computes in."""
+        return self.engine.dtype
+
+    def describe_device(self) -> str:
+        """The hardware and the kernel routes it takes, in the platform's words."""
+        return self.engine.platform.describe()
+
+    @property
+    def prefix_caching(self) -> bool:
+        """Whether the KV allocator caches prompt prefixes (an allocator without the option: no)."""
+        return bool(getattr(self.engine.allocator, "caching", False))
+
+    @property
+    def decode_weight_bytes(self) -> int:
+        """Weight bytes one decode step reads: quantized or not, a 16-bit decode copy if one is kept."""
+        return self.engine.runner.decode_weight_bytes
+
+    def expert_load(self) -> dict[int, list[int]]:
+        """Mixture-of-experts models: tokens routed to each expert so far, per layer; empty when dense."""
+        return self.engine.runner.expert_load()
+
+    @property
+    def model_module(self) -> torch.nn.Module:
+        """The loaded model (rank 0's part of it under tensor or pipeline parallelism)."""
+        return self.engine.runner.model
+
     def generate(
         self,
         prompts: PromptType | Seq[PromptType],
@@ -113,7 +149,7 @@ class LLM:
         for spec, grammar in [(spec, compiler.submit(spec)) for spec in specs]:
             compiler.result(grammar, spec)
         for p in params:
-            self.engine.validate_params(p)
+            self.engine.limits.validate_params(p)
         order = {}
         try:
             for prompt, p, prio in zip(prompts, params, priorities):

@@ -27,7 +27,8 @@ from modserve.core.config import EngineConfig
 from modserve.engine.engine import LLMEngine
 from modserve.core.sampling_params import SamplingParams
 from modserve.server.async_engine import EngineDead
-from modserve.server.replicas import ReplicaSet, Router, SplitStream, block_hashes, build_engines, replica_config
+from modserve.api import block_keys
+from modserve.server.replicas import ReplicaSet, Router, SplitStream, build_engines, replica_config
 
 MODEL = "tiny-dp"
 BLOCK = 16
@@ -35,14 +36,14 @@ GREEDY = dict(temperature=0.0, max_tokens=12, extra_body={"ignore_eos": True})
 
 
 # -- the router, alone ------------------------------------------------------------------------------
-def test_block_hashes_chain_the_prefix():
+def test_block_keys_chain_the_prefix():
     a = list(range(40))
     b = list(range(32)) + [999] * 8
-    ha, hb = block_hashes(a, 16), block_hashes(b, 16)
+    ha, hb = block_keys(a, 16), block_keys(b, 16)
     assert len(ha) == 2 and ha == hb  # the third block is not full: not hashed
     c = [7] + list(range(1, 40))
-    assert block_hashes(c, 16)[0] != ha[0] and block_hashes(c, 16)[1] != ha[1]  # a block's hash covers its parents
-    assert block_hashes(list(range(15)), 16) == []
+    assert block_keys(c, 16)[0] != ha[0] and block_keys(c, 16)[1] != ha[1]  # a block's hash covers its parents
+    assert block_keys(list(range(15)), 16) == []
 
 
 def test_router_prefix_then_load():
@@ -56,7 +57,7 @@ def test_router_prefix_then_load():
     assert (route.replica, route.matched_blocks) == (0, 2)  # the longest match counts the leading blocks
     # a match on both: the longest wins, ties go to the least loaded
     router.choose(p0 + [1] * 16, {0: 5, 1: 0})  # 4 blocks on replica 0 (by prefix)
-    router.indexes[1].add(block_hashes(p0, BLOCK))
+    router.indexes[1].add(block_keys(p0, BLOCK))
     assert router.choose(p0 + [1] * 16, {0: 5, 1: 0}).replica == 0  # 4 blocks beat 3
     assert router.choose(p0, {0: 5, 1: 0}).replica == 1  # 3 and 3: the less loaded
     # a full batch busier than the idlest: load wins over the prefix

@@ -10,12 +10,21 @@ from __future__ import annotations
 
 import hashlib
 import random
+from array import array
 from pathlib import Path
 
 import pytest
 
 from modserve import LLM, SamplingParams
+from modserve.api import BlockTransfer, KVConnector, block_keys
+from modserve.core.contracts.scheduler import SchedulerLimits
+from modserve.core.sampling_params import SamplingParams as SP
+from modserve.core.sequence import Sequence
+from modserve.engine.scheduler import SchedulerCore
+from modserve.plugins.kv_allocators.paged import PagedAllocator, PagedOptions
+from modserve.plugins.schedulers.fcfs import FCFSScheduler
 from modserve.server.metrics import EngineStatsCollector
+from modserve.server.replicas import Router
 
 BLOCK = 16
 LENGTHS = (40, 77, 100, 16, 5)  # full blocks 2, 4, 6, 1, 0; the 16-token prompt loads none (its last token)
@@ -209,7 +218,6 @@ def test_host_tier_evicts_its_least_recently_used_blocks(llama_dir):
 
 
 def llm_keys(p: list[int]) -> list[str]:
-    from modserve.engine.scheduler import block_keys
     return block_keys(p, BLOCK)
 
 
@@ -218,10 +226,62 @@ def test_block_keys_chain_every_token_before():
     b = llm_keys([*range(16), 99, *range(17, 48)])
     assert a[0] == b[0] and a[1] != b[1] and a[2] != b[2]  # a change reaches every later key
     assert len(llm_keys(list(range(47)))) == 2
-    # The same in every run and process: sha256 of the parent's digest and the tokens, not hash().
-    first = hashlib.sha256(",".join(map(str, range(16))).encode()).digest()
+    # The same in every run and process: sha256 of the parent's digest and the int64 tokens, not hash().
+    first = hashlib.sha256(array("q", range(16)).tobytes()).digest()
     assert a[0] == first.hex()
-    assert a[1] == hashlib.sha256(first + ",".join(map(str, range(16, 32))).encode()).hexdigest()
+    assert a[1] == hashlib.sha256(first + array("q", range(16, 32)).tobytes()).hexdigest()
+    # Extended a block at a time, in place, the chain is the same; one made longer stays whole.
+    chain = block_keys(list(range(48)), BLOCK, 1)
+    assert block_keys(list(range(48)), BLOCK, 3, chain) is chain and chain == a
+    assert block_keys(list(range(48)), BLOCK, 2, chain) == a
+
+
+class EmptyStore(KVConnector):
+    """Holds nothing: the scheduler plans a save of every full prompt block."""
+
+    def stored_blocks(self, keys: list[str]) -> int:
+        return 0
+
+    def load(self, transfers: list[BlockTransfer]) -> list[int]:
+        return list(range(len(transfers)))
+
+    def save_layer(self, layer, kv_cache, transfers: list[BlockTransfer]) -> None:
+        pass
+
+
+def admitted(prompt: list[int], caching: bool) -> tuple[PagedAllocator, Sequence, list[str]]:
+    """A scheduler step over ``prompt`` alone, blocks of 4, a connector that holds nothing: the
+    allocator, the sequence and the keys of the blocks the step saves."""
+    limits = SchedulerLimits(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64)
+    alloc = PagedAllocator(16, 4, 64, PagedOptions(enable_prefix_caching=caching))
+    core = SchedulerCore(FCFSScheduler(limits), alloc, limits, "fcfs", connector=EmptyStore(None))
+    seq = Sequence(0, "a", list(prompt), len(prompt), SP(), 0.0)
+    core.add(seq)
+    step = core.step()
+    return alloc, seq, [t.key for t in step.kv_saves[seq]]
+
+
+@pytest.mark.parametrize("caching", [True, False])
+def test_router_prefix_cache_and_connector_name_blocks_alike(caching):
+    # With caching, the allocator's match makes the first two keys (it stops before the last
+    # token) and the connector's planning the third, in the same list; without, the planning all.
+    prompt = list(range(10, 22))  # three full blocks of 4
+    router = Router(4, [100])
+    router.choose(prompt, {0: 0})
+    routed = list(router.indexes[0].hashes)
+    _, seq, saved = admitted(prompt, caching)
+    assert len(routed) == 3 and seq.block_hashes == routed and saved == routed
+
+
+def test_prefix_cache_reads_only_its_keys_of_a_longer_chain():
+    prompt = list(range(10, 22))
+    alloc, seq, saved = admitted(prompt, caching=True)
+    seq.num_computed_tokens = len(prompt)
+    alloc.mark_computed(seq)  # publishes all three blocks, under the keys the connector saved
+    alloc.free(seq)
+    assert alloc.match_prefix(seq) == 8  # three keys are made, but the last token is left to compute
+    again = Sequence(1, "b", list(prompt), len(prompt), SP(), 0.0)
+    assert alloc.match_prefix(again) == 8 and again.block_hashes == saved[:2]  # the allocator's own
 
 
 def test_connector_config_is_checked(llama_dir):

@@ -16,6 +16,7 @@ inside a function counts too.
 from __future__ import annotations
 
 import ast
+import dataclasses
 import sys
 from pathlib import Path
 
@@ -202,3 +203,108 @@ def test_the_core_holds_no_native_code():
     foreign = [p.relative_to(ROOT.parent) for p in (ROOT / "core").rglob("*")
                if p.is_file() and p.suffix in {".c", ".cc", ".cpp", ".h", ".hpp", ".cu"}]
     assert not foreign, f"the core holds no C/C++ (it belongs to a platform): {foreign}"
+
+
+# NOTE: the server talks to an engine only through its EngineClient (modserve/engine/client.py),
+# and the benchmarks only through LLM's accessors: the engine runs on a thread of its own, which
+# is the only one that may touch it.
+SERVER_MUST_NOT_REACH = ("engine", "runner", "scheduler")  # of an engine: the client's own, or an LLMEngine's
+
+
+def _engine_reaches(path: Path, insides: tuple[str, ...] | None) -> list[str]:
+    """Where ``path`` reaches into an engine: ``<x>.engine.<y>`` or ``engine.<y>`` with y among
+    ``insides``; with None, any ``<x>.engine`` at all (getattr's first argument too)."""
+    found: list[tuple[int, str]] = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if not isinstance(node, ast.Attribute):
+            continue
+        if insides is None:
+            hit = node.attr == "engine"
+        else:
+            owner = node.value
+            hit = node.attr in insides and ((isinstance(owner, ast.Attribute) and owner.attr == "engine")
+                                            or (isinstance(owner, ast.Name) and owner.id == "engine"))
+        if hit:
+            found.append((node.lineno, ast.unparse(node)))
+    return [f"{path.name}:{line} {code}" for line, code in sorted(found)]
+
+
+def test_the_server_and_the_benchmarks_never_reach_into_the_engine():
+    bad = [v for p in _modules("server") for v in _engine_reaches(p, SERVER_MUST_NOT_REACH)]
+    bad += [v for p in _modules("bench") for v in _engine_reaches(p, None)]
+    assert not bad, ("the server reaches an engine only through EngineClient, the benchmarks only through "
+                     "LLM's accessors:\n" + "\n".join(bad))
+
+
+def test_the_reach_check_sees_a_planted_one(tmp_path):
+    server = tmp_path / "serving.py"
+    server.write_text("def check(state, engine):\n"
+                      "    state.engine.limits.validate_prompt([1])  # the client's: allowed\n"
+                      "    state.engine.engine.validate_prompt([1])\n"
+                      "    return engine.runner.model, state.scheduler\n")
+    assert _engine_reaches(server, SERVER_MUST_NOT_REACH) == [
+        "serving.py:3 state.engine.engine", "serving.py:4 engine.runner"]
+    bench = tmp_path / "cli.py"
+    bench.write_text("def header(llm):\n"
+                     "    runner = getattr(llm.engine, 'runner', None)\n"
+                     "    return llm.dtype, llm.limits.max_model_len, runner\n")
+    assert _engine_reaches(bench, None) == ["cli.py:2 llm.engine"]
+
+
+# The scheduler is the one writer of a sequence once it is admitted (vLLM's update_from_output,
+# nano-vllm's postprocess); the engine sets a new one up (its generator, grammar matcher and
+# forks) before it is. The output processor, isolation and the rest of the engine only read.
+SEQUENCE_WRITERS: dict[str, set[str] | None] = {"scheduler.py": None, "engine.py": {"_new_request", "_start"}}
+_MUTATORS = {"append", "extend", "insert", "pop", "remove", "clear"}
+
+
+def _sequence_writes(source: str, fields: set[str]) -> list[tuple[str, int, str]]:
+    """(function, line, field) of every write to an attribute named like a Sequence field, on
+    anything but ``self``: assignments, ``del x.f[...]`` and in-place list calls."""
+    def field_of(node: ast.AST) -> str | None:
+        while isinstance(node, ast.Subscript):
+            node = node.value
+        if isinstance(node, ast.Attribute) and node.attr in fields and \
+                not (isinstance(node.value, ast.Name) and node.value.id == "self"):
+            return node.attr
+        return None
+
+    writes = []
+    for func in ast.walk(ast.parse(source)):
+        if not isinstance(func, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            continue
+        for node in ast.walk(func):
+            targets: list[ast.AST] = []
+            if isinstance(node, ast.Assign):
+                targets = [e for t in node.targets for e in (t.elts if isinstance(t, ast.Tuple) else [t])]
+            elif isinstance(node, (ast.AugAssign, ast.AnnAssign)):
+                targets = [node.target]
+            elif isinstance(node, ast.Delete):
+                targets = node.targets
+            elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in _MUTATORS:
+                targets = [node.func.value]
+            writes += [(func.name, node.lineno, f) for t in targets if (f := field_of(t))]
+    return sorted(set(writes))
+
+
+def _sequence_fields() -> set[str]:
+    from modserve.core.sequence import Sequence
+
+    return {f.name for f in dataclasses.fields(Sequence)}
+
+
+def test_the_scheduler_is_the_one_writer_of_sequences():
+    fields = _sequence_fields()
+    bad = [f"engine/{p.name}:{line} {func}() writes seq.{name}"
+           for p in _modules("engine") if (allowed := SEQUENCE_WRITERS.get(p.name, set())) is not None
+           for func, line, name in _sequence_writes(p.read_text(), fields) if func not in allowed]
+    assert not bad, "only engine/scheduler.py writes a sequence's state:\n" + "\n".join(bad)
+
+
+def test_the_writer_check_sees_planted_writes():
+    source = ("def read(seq, out):\n    n = seq.token_ids[-1]\n    self.status = 1\n"
+              "def write(seq, req):\n    seq.finish_reason, x = 'stop', 1\n    req.seqs[0].token_ids.append(3)\n"
+              "    del seq.token_ids[4:]\n    seq.num_computed_tokens += 1\n")
+    assert _sequence_writes(source, _sequence_fields()) == [
+        ("write", 5, "finish_reason"), ("write", 6, "token_ids"), ("write", 7, "token_ids"),
+        ("write", 8, "num_computed_tokens")]

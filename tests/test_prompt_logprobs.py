@@ -106,8 +106,8 @@ def test_chunked_prefill_matches_transformers(llama_dir, hf, prompts):
                    scheduler={"name": "fcfs", "options": {"long_prefill_token_threshold": 5}})
     chunks, step = [], llm.engine.scheduler.step
 
-    def recording_step():
-        scheduled = step()
+    def recording_step(*args):
+        scheduled = step(*args)
         chunks.extend(scheduled.num_new_tokens)
         return scheduled
 

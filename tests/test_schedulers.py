@@ -200,8 +200,8 @@ def test_long_prefill_threshold_caps_each_prompt_chunk(llama_dir):
     llm = make_llm(llama_dir, scheduler={"name": "fcfs", "options": {"long_prefill_token_threshold": 8}})
     chunks, step = [], llm.engine.scheduler.step
 
-    def recording_step():
-        scheduled = step()
+    def recording_step(*args):
+        scheduled = step(*args)
         chunks.extend(scheduled.num_new_tokens)
         return scheduled
 

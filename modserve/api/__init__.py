@@ -37,7 +37,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs; at run time each name is import
     from modserve.core.contracts.executor import Executor, WorkerSpec
     from modserve.core.contracts.platform import FinishedModel, GraphSettings, ModelLoad, Platform, StepForward
     from modserve.core.contracts.grammar_backend import GrammarBackend, GrammarMatcher, GrammarVocab
-    from modserve.core.contracts.kv_allocator import KVAllocator
+    from modserve.core.contracts.kv_allocator import KVAllocator, block_keys
     from modserve.core.contracts.quantizer import LinearSpec, Quantizer, TensorLayout
     from modserve.core.contracts.moe_backend import MoEBackend
     from modserve.core.contracts.proposer import Proposal, Proposer, ProposerContext
@@ -67,7 +67,7 @@ _WHERE: dict[str, str] = {name: module for module, names in (
     ("modserve.core.contracts.attention_backend", "AttentionBackend AttentionMetadata AttentionSpec CudaGraphSupport"),
     ("modserve.core.contracts.executor", "Executor WorkerSpec"),
     ("modserve.core.contracts.grammar_backend", "GrammarBackend GrammarMatcher GrammarVocab"),
-    ("modserve.core.contracts.kv_allocator", "KVAllocator"),
+    ("modserve.core.contracts.kv_allocator", "KVAllocator block_keys"),
     ("modserve.core.contracts.kv_connector", "BlockTransfer KVConnector KVConnectorContext"),
     ("modserve.core.contracts.model", "CausalLM DecoderLayerLayout DecoderLayout"),
     ("modserve.core.contracts.moe_backend", "MoEBackend"),
@@ -119,6 +119,6 @@ __all__ = [
     "Linear", "LinearFactory", "TensorParallel", "Unquantized", "VocabEmbedding", "attention", "check_name", "float_layers", "forward_context",
     "linear_factory", "load_shard", "model_bytes", "param",
     # helpers
-    "Budget", "FP8", "FP8_MAX", "add_logprobs", "admit", "advance_running", "build_batch", "chunk_size",
+    "Budget", "FP8", "FP8_MAX", "add_logprobs", "admit", "advance_running", "block_keys", "build_batch", "chunk_size",
     "fp8_to_float", "load_kernel", "op_by_name", "read_kv", "run_worker", "sample_rows", "slots", "start_budget", "to_fp8", "write_kv",
 ]

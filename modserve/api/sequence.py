@@ -2,7 +2,8 @@
 
 The core passes its own :class:`~modserve.core.sequence.Sequence` objects (no copy per
 step); this Protocol is the part of them that is promised. Only the allocator that owns
-a sequence's blocks writes ``block_ids`` and ``block_hashes``.
+a sequence's blocks writes ``block_ids``; ``block_hashes`` is only ever extended, by
+:func:`~modserve.api.block_keys` (the allocator and the KV connector's planning share it).
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ class SequenceView(Protocol):
     @property
     def block_ids(self) -> list[int]: ...  # its block table (the allocator's to change)
     @property
-    def block_hashes(self) -> list[bytes]: ...  # content keys of its full blocks (prefix-cache allocators)
+    def block_hashes(self) -> list[str]: ...  # block_keys of its first full blocks, as far as made yet
     @property
     def status(self) -> SequenceStatus: ...
     @property

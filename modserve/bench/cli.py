@@ -206,7 +206,7 @@ def _checkpoint_outtype(llm: Any) -> str:
     types = {"float32": "f32", "float16": "f16", "bfloat16": "bf16"}
     config = json.loads((Path(llm.config.model) / "config.json").read_text())
     stored = str(config.get("dtype") or config.get("torch_dtype") or "")
-    return types.get(stored) or types.get(str(llm.engine.dtype).removeprefix("torch."), "f32")
+    return types.get(stored) or types.get(str(llm.dtype).removeprefix("torch."), "f32")
 
 
 def _llamacpp_runner(args: argparse.Namespace, llm: Any) -> Any:
@@ -244,13 +244,13 @@ def _header(llm: Any, pinning: str) -> list[str]:
     import torch
 
     cfg = llm.config
-    dtype, gemm = str(llm.engine.dtype).removeprefix("torch."), _gemm_dtype(llm)
+    dtype, gemm = str(llm.dtype).removeprefix("torch."), _gemm_dtype(llm)
     dtypes = dtype if gemm == dtype else f"{dtype} activations, {gemm} linears"
     return [f"model: {cfg.model} ({dtypes}, device {cfg.device})",
             f"engine: attention {cfg.attention_backend.name}, kv_allocator {cfg.kv_allocator.name}, "
             f"scheduler {cfg.scheduler.name}, max_num_seqs {cfg.max_num_seqs}",
             f"machine: {platform.processor() or platform.machine()}, torch {torch.__version__}, {pinning}",
-            f"device: {llm.engine.platform.describe()}"]
+            f"device: {llm.describe_device()}"]
 
 
 def _workload_line(args: argparse.Namespace, requests: Sequence[Any]) -> str:
@@ -264,8 +264,8 @@ def _vllm_runner(args: argparse.Namespace, llm: Any, max_model_len: int, log_sta
     from modserve.bench.vllm_baseline import VLLMRunner
 
     dtype = args.vllm_dtype
-    caching = bool(getattr(llm.engine.allocator, "caching", False))  # as modserve's KV allocator does
-    return VLLMRunner(args.baseline_python, llm.config.model, dtype, max_model_len, caching, log_stats)
+    # the baseline caches prefixes if modserve's KV allocator does
+    return VLLMRunner(args.baseline_python, llm.config.model, dtype, max_model_len, llm.prefix_caching, log_stats)
 
 
 def _ratio_line(figures: dict[str, list[dict[str, float]]], baseline: str, key: str) -> str:
@@ -305,7 +305,7 @@ def cmd_throughput(args: argparse.Namespace) -> int:
         if "hf" in args.baseline:
             from modserve.bench.hf_baseline import HFRunner
 
-            runners.append(HFRunner(llm.config.model, llm.engine.dtype, args.hf_batch_size))
+            runners.append(HFRunner(llm.config.model, llm.dtype, args.hf_batch_size))
         runs = interleave(runners, requests, args.repeats, args.warmups)
     except VLLMUnavailable as e:
         print(f"error: {e}", file=sys.stderr)
@@ -323,7 +323,7 @@ def cmd_throughput(args: argparse.Namespace) -> int:
         print(_ratio_line(figures, runner.name, "output tok/s"))
         label = f"hf (batch {args.hf_batch_size})" if runner.name == "hf" else runner.name
         print(_agreement_line(runs, runner.name, label))
-    if load := llm.engine.runner.expert_load():
+    if load := llm.expert_load():
         print("\n".join(expert_load_lines(load)))
         figures["expert_load"] = expert_load_figures(load)  # type: ignore[assignment]
     if ceiling := _compute_ceiling(args, llm, [(r.prompt_len, r.output_len) for r in requests],
@@ -342,10 +342,9 @@ def _gemm_dtype(llm: Any) -> str:
 
     from modserve.api import float_layers
 
-    runner = getattr(llm.engine, "runner", None)
-    layers = float_layers(runner.model) if runner is not None and hasattr(runner, "model") else []
+    layers = float_layers(llm.model_module)
     bf16_weights = any(m.weight.dtype == torch.bfloat16 for m in layers)  # a tied head may stay float32
-    return "bfloat16" if bf16_weights else str(llm.engine.dtype).removeprefix("torch.")
+    return "bfloat16" if bf16_weights else str(llm.dtype).removeprefix("torch.")
 
 
 def _compute_ceiling(args: argparse.Namespace, llm: Any, lengths: list[tuple[int, int]],
@@ -430,7 +429,7 @@ def cmd_latency(args: argparse.Namespace) -> int:
         p = plan(shape, hw, dtype, kv_dtype,
                  context_len=args.input_len + args.output_len // 2,
                  # what a decode step reads: quantized or not, a 16-bit decode copy if one is kept
-                 weight_bytes=llm.engine.runner.decode_weight_bytes)
+                 weight_bytes=llm.decode_weight_bytes)
         rate = Spread.of([r["decode tok/s"] for r in runs]).median
         print(f"decode {rate:.1f} tok/s = {rate / p.decode_ceiling_tok_s:.0%} of the {hw_name} single-stream "
               f"ceiling of {p.decode_ceiling_tok_s:.1f} tok/s ({p.bandwidth / 1e9:.1f} GB/s over "
@@ -563,7 +562,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
     if args.eval_task or args.eval_text:
         from modserve.bench.compare import evaluate_quality
 
-        max_length = args.eval_max_length or min(1024, *(x.engine.max_model_len - 1 for x in (llm_a, llm_b)))
+        max_length = args.eval_max_length or min(1024, *(x.limits.max_model_len - 1 for x in (llm_a, llm_b)))
         result.quality = evaluate_quality(dict(zip(labels, (llm_a, llm_b))), args.eval_task, args.eval_text,
                                           max_length, args.eval_stride)
     failures = verdict(result, args.min_agreement, args.max_logit_diff, args.min_task_accuracy_delta,

@@ -58,7 +58,7 @@ def _median_ms(values: Sequence[float]) -> float:
 @contextlib.contextmanager
 def recorded_logits(llm: Any) -> Iterator[list]:
     """Record every logits tensor ``[rows, vocab]`` the model computes inside the block."""
-    model = llm.engine.runner.model
+    model = llm.model_module
     compute = model.compute_logits
     seen: list = []
 

@@ -59,7 +59,7 @@ def scorer_and_tokenizer(args: argparse.Namespace) -> tuple[Any, Any, str]:
     from modserve.cli import config_from_args
 
     llm = LLM(config=config_from_args(args), progress=False)
-    dtype = str(llm.engine.dtype).removeprefix("torch.")
+    dtype = str(llm.dtype).removeprefix("torch.")
     return OfflineScorer(llm, args.batch_size), llm.get_tokenizer(), f"offline {llm.config.model} ({dtype})"
 
 
@@ -69,7 +69,7 @@ def cmd_perplexity(args: argparse.Namespace) -> int:
     score_fn, tokenizer, where = scorer_and_tokenizer(args)
     max_length = args.max_length or 1024
     if args.max_length is None and isinstance(score_fn, OfflineScorer):  # a prompt leaves room for one token
-        max_length = min(max_length, score_fn.llm.engine.max_model_len - 1)
+        max_length = min(max_length, score_fn.llm.limits.max_model_len - 1)
     text = Path(args.text).read_text()
     result = _scored(lambda: text_perplexity(score_fn, tokenizer, text, max_length, args.stride))
     if result is None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from modserve.core.sampling_params import SamplingParams
 
@@ -12,7 +12,6 @@ if TYPE_CHECKING:  # the seams' types; none of them is needed at run time here
     import torch
 
     from modserve.core.contracts.grammar_backend import GrammarMatcher
-    from modserve.engine.tokenizer import IncrementalDecoder
 
 
 class SequenceStatus(enum.Enum):
@@ -41,9 +40,10 @@ class Sequence:
     priority: int = 0  # lower runs first under the priority scheduler
     num_computed_tokens: int = 0
     block_ids: list[int] = field(default_factory=list)
-    # Content keys of the sequence's full blocks, chained from the first; filled by
-    # allocators with a prefix cache, kept across preemption (the tokens don't change).
-    block_hashes: list[bytes] = field(default_factory=list)
+    # Content keys of the sequence's full blocks (contracts.kv_allocator.block_keys), made as
+    # first needed by a prefix-cache allocator or the KV connector's planning, both extending
+    # this one list; kept across preemption (the tokens don't change).
+    block_hashes: list[str] = field(default_factory=list)
     # Samples of the same request (n > 1) that fork from this one once its prompt is computed.
     pending_forks: list["Sequence"] = field(default_factory=list)
     # Speculative decoding: draft slots the scheduler may grant beyond the real tokens
@@ -54,16 +54,11 @@ class Sequence:
     stop_reason: int | str | None = None
     num_preemptions: int = 0
     num_cached_tokens: int = -1  # prompt tokens the prefix cache held when first admitted (-1: not yet)
-    # A KV connector's: the content keys of the prompt's full blocks (made once), how many of
-    # them the store holds (saves go on from there), and whether a load of them failed.
-    kv_keys: list[str] | None = None
+    # A KV connector's: how many of the prompt's full blocks the store holds (saves go on from
+    # there), and whether a load of them failed.
     kv_stored_blocks: int = 0
     kv_load_failed: bool = False
-    # Filled by the engine's output side.
-    logprobs: list[dict[str, Any]] = field(default_factory=list)
-    text: str = ""
     generator: "torch.Generator | None" = None  # seeded requests draw from their own
-    detok: "IncrementalDecoder | None" = None  # the text so far, a token at a time
     grammar: "GrammarMatcher | None" = None  # a structured-outputs request's, once its grammar compiled
 
     @property

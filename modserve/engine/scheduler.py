@@ -4,25 +4,29 @@ A scheduling policy (a ``Scheduler`` plugin) reads this object through the
 ``SchedulerView`` interface and returns a ``Schedule``; :meth:`SchedulerCore.step`
 checks it in full before changing anything, so a faulty policy cannot leave the
 queues or the allocator in a broken state. After the runner executed the step,
-:meth:`SchedulerCore.update` applies what it computed. The engine changes neither the
-queues nor the allocator itself: every change goes through this object.
+:meth:`SchedulerCore.update` applies what it computed: progress, then each sampled token
+with the stops a token decides (EOS, stop token ids, the grammar, max_tokens, the context).
+This object is the one writer of the sequences: the engine and its output processor change
+neither them, the queues nor the allocator; a stop string the output side finds comes back
+through :meth:`SchedulerCore.finish`.
 """
 
 from __future__ import annotations
 
-import hashlib
+import logging
 from collections import deque
-from typing import Literal
+from typing import Collection, Literal, Mapping
 
+from modserve.core.contracts.grammar_backend import GrammarMatcher
 from modserve.core.contracts.kv_connector import BlockTransfer, KVConnector, KVRole
-from modserve.core.contracts.kv_allocator import KVAllocator
+from modserve.core.contracts.kv_allocator import KVAllocator, block_keys
 from modserve.core.contracts.scheduler import Schedule, Scheduler, SchedulerLimits, SchedulerView
 from modserve.core.plugin_calls import broke, calling, described, failed, who
 from modserve.core.registry import PluginError
 from modserve.core.sequence import Sequence, SequenceStatus
 from modserve.core.step import ModelOutput, ScheduledStep
 
-
+logger = logging.getLogger("modserve")
 
 class SwapSpace:
     """Host-memory blocks that hold the KV of sequences preempted by swapping."""
@@ -50,8 +54,9 @@ class SchedulerCore(SchedulerView):
     def __init__(self, policy: Scheduler, allocator: KVAllocator, limits: SchedulerLimits, policy_name: str,
                  preemption_mode: Literal["recompute", "swap"] = "recompute",
                  swap_space: SwapSpace | None = None, connector: KVConnector | None = None,
-                 kv_role: KVRole = "both") -> None:
+                 kv_role: KVRole = "both", eos_token_ids: Collection[int] = ()) -> None:
         self.policy = policy
+        self.eos_token_ids = frozenset(eos_token_ids)
         self.allocator = allocator
         self.limits = limits
         self.policy_name = policy_name
@@ -105,6 +110,21 @@ class SchedulerCore(SchedulerView):
         self.allocator.free(seq)
         seq.status = SequenceStatus.FINISHED
 
+    def finish(self, seq: Sequence, reason: str, stop_reason: int | str | None = None,
+               num_output_tokens: int | None = None) -> None:
+        """End ``seq`` for a reason found outside a step (an abort, an error, a stop string in its
+        text), keeping only its first ``num_output_tokens`` outputs when given (the tokens after a
+        stop string). A sequence that already finished keeps its blocks freed."""
+        if num_output_tokens is not None:
+            del seq.token_ids[seq.num_prompt_tokens + num_output_tokens:]
+        seq.finish_reason, seq.stop_reason = reason, stop_reason
+        if not seq.is_finished:
+            self.remove(seq)
+
+    def request_ids_in_flight(self) -> list[str]:
+        """The requests with a sequence in a queue, running first, each once."""
+        return list(dict.fromkeys(s.request_id for s in (*self.running, *self.swapped, *self.waiting)))
+
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or self.swapped)
 
@@ -124,7 +144,19 @@ class SchedulerCore(SchedulerView):
         return seqs
 
     # -- one step ---------------------------------------------------------------------
-    def step(self) -> ScheduledStep:
+    def step(self, lookahead: Mapping[Sequence, int] | None = None) -> ScheduledStep:
+        """One step's schedule. ``lookahead``: the draft slots each running sequence may be granted
+        beyond its tokens (speculative decoding), seen by the policy for this schedule only."""
+        lookahead = lookahead or {}
+        for seq, n in lookahead.items():
+            seq.num_lookahead = n
+        try:
+            return self._schedule()
+        finally:
+            for seq in lookahead:
+                seq.num_lookahead = 0
+
+    def _schedule(self) -> ScheduledStep:
         with calling(self.policy, "scheduler", "schedule()"):
             schedule = self.policy.schedule(self)
         if not isinstance(schedule, Schedule) or not isinstance(schedule.tokens, dict):
@@ -153,7 +185,7 @@ class SchedulerCore(SchedulerView):
             self._allocate(seq, seq.num_computed_tokens + n)
             if external:
                 first = (seq.num_computed_tokens - external) // self.allocator.block_size
-                out.kv_loads[seq] = [BlockTransfer(seq.kv_keys[j], seq.block_ids[j])
+                out.kv_loads[seq] = [BlockTransfer(seq.block_hashes[j], seq.block_ids[j])
                                      for j in range(first, first + external // self.allocator.block_size)]
             if self.connector is not None and self.kv_role != "consumer":
                 self._plan_saves(seq, n, out)
@@ -196,12 +228,12 @@ class SchedulerCore(SchedulerView):
         connector, size = self.connector, self.allocator.block_size
         if connector is None or local % size:
             return 0
-        self._prompt_keys(seq)
-        usable = min(len(seq.kv_keys), (seq.num_tokens - 1) // size)
+        keys = self._prompt_keys(seq)
+        usable = min(len(keys), (seq.num_tokens - 1) // size)
         with calling(connector, "kv_connector", "stored_blocks()"):
-            stored = connector.stored_blocks(seq.kv_keys)
-        if not isinstance(stored, int) or not 0 <= stored <= len(seq.kv_keys):
-            raise broke(connector, "kv_connector", "stored_blocks()", f"an int in [0, {len(seq.kv_keys)}]",
+            stored = connector.stored_blocks(keys)
+        if not isinstance(stored, int) or not 0 <= stored <= len(keys):
+            raise broke(connector, "kv_connector", "stored_blocks()", f"an int in [0, {len(keys)}]",
                         described(stored))
         seq.kv_stored_blocks = stored
         if self.kv_role == "producer" or seq.kv_load_failed:
@@ -210,16 +242,17 @@ class SchedulerCore(SchedulerView):
 
     def _plan_saves(self, seq: Sequence, n: int, out: ScheduledStep) -> None:
         """The prompt's full blocks complete once this step ran that the store lacks."""
-        keys = self._prompt_keys(seq)
-        done = min(len(keys), (seq.num_computed_tokens + n) // self.allocator.block_size)
+        done = min(seq.num_prompt_tokens, seq.num_computed_tokens + n) // self.allocator.block_size
         if done > seq.kv_stored_blocks:
+            keys = self._prompt_keys(seq)  # only then: a decode step saves nothing, and slices no keys
             out.kv_saves[seq] = [BlockTransfer(keys[j], seq.block_ids[j]) for j in range(seq.kv_stored_blocks, done)]
 
     def _prompt_keys(self, seq: Sequence) -> list[str]:
-        """The content keys of ``seq``'s full prompt blocks, made once (the prompt never changes)."""
-        if seq.kv_keys is None:
-            seq.kv_keys = block_keys(seq.prompt_token_ids, self.allocator.block_size)
-        return seq.kv_keys
+        """The content keys of ``seq``'s full prompt blocks: the first of ``seq.block_hashes``,
+        made there when missing. NOTE: a prefix-cache allocator extends that list too, maybe
+        past the prompt (blocks of output tokens), and finds what was made here."""
+        full = seq.num_prompt_tokens // self.allocator.block_size
+        return block_keys(seq.token_ids, self.allocator.block_size, full, seq.block_hashes)[:full]
 
     def drop_failed_loads(self, scheduled: ScheduledStep, seqs: list[Sequence], requeue: bool) -> None:
         """Take sequences whose KV could not be loaded out of the step and free their blocks;
@@ -253,10 +286,47 @@ class SchedulerCore(SchedulerView):
             raise broke(allocator, "kv_allocator", "allocate()", f"block ids in [0, {allocator.num_blocks})",
                         f"block table {described(ids)}")
 
-    def update(self, scheduled: ScheduledStep, output: ModelOutput) -> None:
-        """Apply what an executed step computed, before its tokens are appended: each
-        sequence's progress (a speculating one's over its accepted drafts only), the
-        prefix cache, the forks of n > 1 samples, the host blocks its swap-ins freed."""
+    def update(self, scheduled: ScheduledStep, output: ModelOutput) -> list[Sequence]:
+        """Apply what an executed step computed: each sequence's progress (a speculating one's
+        over its accepted drafts only), the prefix cache, the forks of n > 1 samples, the host
+        blocks its swap-ins freed; then its new tokens in order, each checked for a stop (the
+        tokens after it are dropped). Returns the sequences that finished, their blocks freed."""
+        self._progress(scheduled, output)
+        finished = [seq for seq, tokens in output.token_ids.items() if self._append(seq, tokens)]
+        for seq in finished:
+            self.remove(seq)
+        return finished
+
+    def _append(self, seq: Sequence, tokens: list[int]) -> bool:
+        if seq.params.max_tokens == 0:  # prompt logprobs only: the prefill's sample is dropped
+            seq.finish_reason = "length"
+        for token in tokens:
+            if seq.finish_reason is not None:
+                break
+            seq.token_ids.append(token)
+            seq.finish_reason, seq.stop_reason = self._stop(seq, token)
+        return seq.finish_reason is not None
+
+    def _stop(self, seq: Sequence, token: int) -> tuple[str | None, int | None]:
+        """What ``token``, just appended, ends ``seq`` with: (finish reason, stop reason)."""
+        params = seq.params
+        if seq.grammar is not None and not _accepts(seq.grammar, token):
+            # The mask allows only what the grammar accepts, so this is a backend bug.
+            logger.error("request %s: the grammar rejected sampled token %d; aborting it", seq.request_id, token)
+            return "abort", None
+        if token in params.stop_token_ids:
+            return "stop", token
+        if token in self.eos_token_ids and not params.ignore_eos:
+            return "stop", None
+        if seq.grammar is not None and seq.grammar.is_terminated():
+            return "stop", None  # it accepted an EOS: even with ignore_eos, nothing may follow
+        max_tokens = params.max_tokens
+        if (max_tokens is not None and seq.num_output_tokens >= max_tokens) or \
+                seq.num_tokens >= self.limits.max_model_len:
+            return "length", None
+        return None, None
+
+    def _progress(self, scheduled: ScheduledStep, output: ModelOutput) -> None:
         drafts = scheduled.draft_tokens
         for seq, n in zip(scheduled.seqs, scheduled.num_new_tokens):
             speculated = seq in drafts
@@ -343,12 +413,6 @@ class SchedulerCore(SchedulerView):
             raise refuse(f"needs {blocks} KV blocks, {self.free_blocks() + freed} are free")
 
 
-def block_keys(token_ids: list[int], block_size: int) -> list[str]:
-    """Content keys of the full blocks of ``token_ids``, each chained to the one before (a
-    block's key names every token up to its end): the same in every process and run."""
-    keys, parent = [], b""
-    for start in range(0, len(token_ids) - block_size + 1, block_size):
-        block = ",".join(map(str, token_ids[start:start + block_size])).encode()
-        parent = hashlib.sha256(parent + block).digest()
-        keys.append(parent.hex())
-    return keys
+def _accepts(matcher: GrammarMatcher, token: int) -> bool:
+    with calling(matcher, "grammar_backend", "matcher.accept_token()"):
+        return matcher.accept_token(token)

@@ -58,13 +58,12 @@ class SpecDecode:
         return cls(registry.create("proposer", spec.proposer, context), spec.num_speculative_tokens, max_model_len,
                    runner.vocab_size)
 
-    def reserve(self, running: Iterable[Sequence], max_tokens: Callable[[Sequence], int]) -> None:
-        """Set each running sequence's draft slots for the next schedule; ``max_tokens(seq)``
-        is its request's limit on output tokens."""
+    def reserve(self, running: Iterable[Sequence], max_tokens: Callable[[Sequence], int]) -> dict[Sequence, int]:
+        """Each running sequence's draft slots for the next schedule (the scheduler grants them);
+        ``max_tokens(seq)`` is its request's limit on output tokens."""
         if self.proposer is None:
-            return
-        for seq in running:
-            seq.num_lookahead = self._lookahead(seq, max_tokens(seq))
+            return {}
+        return {seq: self._lookahead(seq, max_tokens(seq)) for seq in running}
 
     def _lookahead(self, seq: Sequence, max_tokens: int) -> int:
         """Draft slots a running sequence may speculate into this step (0: it won't)."""
@@ -89,8 +88,6 @@ class SpecDecode:
                    if n > s.num_tokens - s.num_computed_tokens]
         if granted:
             self._fill(scheduled, granted)
-        for seq in scheduled.seqs:
-            seq.num_lookahead = 0  # the schedule has used it
 
     def _fill(self, scheduled: ScheduledStep, granted: list[tuple[int, Sequence, int]]) -> None:
         ks = [k for _, _, k in granted]
@@ -115,9 +112,8 @@ class SpecDecode:
             self.counters["spec_accepted_tokens"] += len(output.token_ids[seq]) - 1
 
     def forget(self, seq: Sequence) -> None:
-        """A sequence finished, was aborted or lost its KV: no slots, no proposer state."""
+        """A sequence finished, was aborted or lost its KV: no proposer state."""
         if self.proposer is not None:
-            seq.num_lookahead = 0
             self.proposer.forget(seq)
 
 

@@ -15,42 +15,25 @@ import torch
 import torch.distributed as dist
 
 from modserve.core.config import EngineConfig
-from modserve.runner.loader import resolve_max_model_len
-from modserve.core.contracts.platform import Platform
 from modserve.core.contracts.executor import WorkerSpec
-from modserve.runner.loader import checkpoint_dtype, load_hf_config
-from modserve.runner.model_runner import ModelRunner
-from modserve.runner.parallel import init_parallel
 from modserve.core.registry import Registry
-from modserve.runner.ranks import STOP
+from modserve.runner.build import build_runner, prepare_rank
+from modserve.runner.messages import Stop
+from modserve.runner.parallel import init_parallel
 
 
 def run_worker(spec: WorkerSpec) -> None:
-    """The life of rank ``spec.rank`` > 0: the driver's plugins and settings, the group, its
-    shard of the model; then every call rank 0 sends, until it sends ``stop``."""
+    """The life of rank ``spec.rank`` > 0: the driver's plugins and settings, its device, the
+    group, its shard of the model; then every message rank 0 sends, until :class:`Stop`."""
     os.environ.update(spec.env)
-    config = EngineConfig(**spec.config)
-    if config.device.startswith("cuda") and ":" not in config.device:
-        config.device = f"cuda:{spec.rank}"  # one device per rank
-    if config.num_threads:
-        torch.set_num_threads(config.num_threads)
-    registry = plugin_registry(spec.plugins)
-    platform: Platform = registry.create("platform", config.platform_choice(), torch.device(config.device))
-    platform.prepare_process()
-    torch.manual_seed(config.seed)
-    tp, pp = init_parallel(spec.backend, spec.init_method, spec.rank, config.tensor_parallel_size,
-                           config.pipeline_parallel_size)
+    setup = prepare_rank(EngineConfig(**spec.config), plugin_registry(spec.plugins), spec.rank)
+    tp, pp = init_parallel(spec.backend, spec.init_method, spec.rank, setup.config.tensor_parallel_size,
+                           setup.config.pipeline_parallel_size)
     try:
-        hf_config = load_hf_config(config.model)
-        dtype = platform.resolve_dtype(config.dtype, checkpoint_dtype(hf_config))
-        runner = ModelRunner(config, hf_config, registry, dtype, resolve_max_model_len(config, hf_config), set(),
-                             progress=False, platform=platform, tp=tp, pp=pp)
-        while True:
-            method, args = tp.broadcast()
-            if method == STOP:
-                runner.close()
-                break
-            getattr(runner, method)(*on_device(args, runner.device))
+        runner = build_runner(setup, tp, pp)
+        while not isinstance(message := tp.broadcast(), Stop):
+            runner.handle(on_device(message, runner.device))
+        runner.close()
     finally:
         dist.destroy_process_group()
 

@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import dataclasses
-import functools
 import itertools
 import logging
 import re
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, ClassVar
 
 import numpy as np
 import torch
@@ -23,6 +22,7 @@ from modserve.core.contracts.platform import GraphSettings, ModelLoad, Platform,
 from modserve.core.contracts.sampler import SamplerOutput, SamplingBatch
 from modserve.runner.linear import Unquantized, default_dtype, finish_linears, linear_factory, model_bytes
 from modserve.runner.loader import checkpoint_digest, checkpoint_dtype, iter_weights, load_hf_config
+from modserve.runner.messages import AllocateKVCache, LoadKV, RankMessage, RunModel
 from modserve.runner.parallel import PipelineStage, RanksOutOfStep, TensorParallel
 from modserve.core.plugin_calls import broke, calling, described, sampled_ids
 from modserve.runner.quantization import kv_cache_dtype, select_quantizer
@@ -85,21 +85,6 @@ def _join_rows(parts: list[SamplerOutput]) -> SamplerOutput | None:
     return out
 
 
-def on_every_rank(method: Callable) -> Callable:
-    """A runner call every tensor-parallel rank makes: rank 0 sends it to the others first."""
-    @functools.wraps(method)
-    def call(self: ModelRunner, *args: Any) -> Any:
-        if self.tp.size * self.pp.size == 1 or not self.tp.driver:
-            return method(self, *args)
-        self.tp.broadcast((method.__name__, args))
-        try:
-            return method(self, *args)
-        except Exception as e:  # the others may wait in a collective rank 0 never reaches: no retry
-            raise RanksOutOfStep(f"rank 0 failed in {method.__name__} while the other ranks ran it: "
-                                 f"{type(e).__name__}: {e}") from e
-    return call
-
-
 class ModelRunner:
     def __init__(self, config: EngineConfig, hf_config: Any, registry: Registry, dtype: torch.dtype,
                  max_model_len: int, eos_token_ids: set[int], progress: bool = True,
@@ -111,8 +96,8 @@ class ModelRunner:
         self.layers = pp.layers(hf_config.num_hidden_layers, config.pp_layer_partition)
         self.eos_token_ids = sorted(eos_token_ids)
         self.hf_config = hf_config
-        self.device = torch.device(config.device)
-        self.platform = platform or registry.create("platform", config.platform_choice(), self.device)
+        self.platform = platform or registry.create("platform", config.platform_choice(), torch.device(config.device))
+        self.device = self.platform.device  # a rank's own (Platform.device_for_rank)
         self.dtype = dtype
         self.block_size = config.block_size
         num_heads = hf_config.num_attention_heads
@@ -151,6 +136,7 @@ class ModelRunner:
                 tp.rank, tp.size))
         self.max_model_len = max_model_len
         self.kv_caches: list[torch.Tensor] = []
+        self.cache_in_host_memory = self.platform.shares_host_memory()  # copies into it block (move_blocks)
         self.step_forward: StepForward = self._forward  # the platform's CUDA graphs, once the cache exists
         self._first_rows: dict[int, torch.Tensor] = {}  # n -> [n] int64 0 .. n - 1 (_row_index)
         # The sampling settings' tensors of the last step's sequences, while the same ones follow
@@ -216,8 +202,11 @@ class ModelRunner:
         shape = self.attn.kv_cache_shape(1)
         return int(np.prod(shape)) * self.attn_spec.kv_cache_dtype.itemsize * len(self.layers)
 
-    @on_every_rank
     def allocate_kv_cache(self, num_blocks: int, num_host_blocks: int = 0) -> None:
+        self.on_every_rank(AllocateKVCache(num_blocks, num_host_blocks))
+
+    def _allocate_kv_cache(self, message: AllocateKVCache) -> None:
+        num_blocks, num_host_blocks = message.num_blocks, message.num_host_blocks
         # Zeroed once: masked-out slots must hold finite values (0 * NaN would poison attention).
         shape = self.attn.kv_cache_shape(num_blocks)
         kv_dtype = self.attn_spec.kv_cache_dtype
@@ -227,7 +216,7 @@ class ModelRunner:
             with calling(self.connector, "kv_connector", "register_kv_caches()"):
                 self.connector.register_kv_caches(self.kv_caches)
         host_shape = self.attn.kv_cache_shape(num_host_blocks)
-        pin = self.device.type == "cuda"
+        pin = self.platform.pin_memory()
         self.host_caches = [torch.zeros(host_shape if i in self.layers else 0, dtype=kv_dtype, pin_memory=pin)
                             for i in range(self.attn_spec.num_layers)] if num_host_blocks else []
         if self.pp.size == 1:  # a stage's forward takes the previous stage's hidden states: eager
@@ -243,18 +232,18 @@ class ModelRunner:
         """Block moves a step needs before its forward, in this order: device to host
         (a freed block may be reused this step), device to device (copy-on-write),
         host to device."""
-        for pairs, src_caches, dst_caches in ((swap_out, self.kv_caches, self.host_caches),
-                                               (copies, self.kv_caches, self.kv_caches),
-                                               (swap_in, self.host_caches, self.kv_caches)):
+        # Not non_blocking into host memory: that copy returns before its bytes land, and
+        # the host-side index_put below would read them early.
+        into_device = not self.cache_in_host_memory
+        for pairs, src_caches, dst_caches, non_blocking in ((swap_out, self.kv_caches, self.host_caches, False),
+                                                             (copies, self.kv_caches, self.kv_caches, into_device),
+                                                             (swap_in, self.host_caches, self.kv_caches, into_device)):
             if not pairs:
                 continue
             src = torch.tensor([p[0] for p in pairs], device=src_caches[0].device)
             dst = torch.tensor([p[1] for p in pairs], device=dst_caches[0].device)
-            # Not non_blocking into host memory: that copy returns before its bytes land, and
-            # the host-side index_put below would read them early.
-            to_device = dst_caches[0].device.type != "cpu"
             for i in self.layers:
-                dst_caches[i][:, dst] = src_caches[i][:, src].to(dst_caches[i].device, non_blocking=to_device)
+                dst_caches[i][:, dst] = src_caches[i][:, src].to(dst_caches[i].device, non_blocking=non_blocking)
 
     # -- one step -------------------------------------------------------------------
     @torch.inference_mode()
@@ -264,8 +253,9 @@ class ModelRunner:
         step reaches, and verify the drafts of those that speculate."""
         batch = self._prepare(scheduled.seqs, scheduled.num_new_tokens, scheduled.draft_tokens)
         saves = [t for ts in scheduled.kv_saves.values() for t in ts]
-        logits = self.run_model(scheduled.copies, scheduled.swap_out, scheduled.swap_in, batch.input_ids,
-                                batch.meta, [batch.sample_rows, batch.spec_rows, batch.prompt_rows], saves)
+        logits = self.on_every_rank(RunModel(batch.input_ids, batch.meta,
+                                             [batch.sample_rows, batch.spec_rows, batch.prompt_rows],
+                                             scheduled.copies, scheduled.swap_out, scheduled.swap_in, saves))
         out, parts = ModelOutput(), []
         if batch.sampled:
             seqs, samples, tokens = self._sample(batch.sampled, logits[0])
@@ -282,26 +272,29 @@ class ModelRunner:
             out.prompt_seqs, out.prompt_samples = batch.prompt_seqs, self._prompt_logprobs(logits[2], batch)
         return out
 
-    @on_every_rank
     @torch.inference_mode()
-    def run_model(self, copies: list[tuple[int, int]], swap_out: list[tuple[int, int]],
-                  swap_in: list[tuple[int, int]], input_ids: torch.Tensor, meta: AttentionMetadata,
-                  logit_rows: list[torch.Tensor],
-                  kv_saves: list[BlockTransfer] | None = None) -> list[torch.Tensor | None]:
+    def _run_model(self, step: RunModel) -> list[torch.Tensor | None]:
         """The step's tensor work, on every rank: block moves, the forward (saving the KV
         connector's blocks as each layer writes them), then the logits ``[R, vocab]`` of
         each set of rows (None for an empty one)."""
-        self.move_blocks(copies, swap_out, swap_in)
+        self.move_blocks(step.copies, step.swap_out, step.swap_in)
+        if self.pp.size > 1:
+            return self._run_stage(step.input_ids, step.meta, step.logit_rows)
+        input_ids, meta, kv_saves = step.input_ids, step.meta, step.kv_saves
+        # [T, hidden]; a step that saves runs eagerly: a CUDA graph would not replay the saves
+        hidden = self._saving_forward(input_ids, meta, kv_saves) if kv_saves else self.step_forward(input_ids, meta)
+        every_row = self._first_rows.get(hidden.shape[0])  # a step of decodes samples every row: no gather
+        return [self.model.compute_logits(hidden if rows is every_row else hidden[rows]) if rows.numel() else None
+                for rows in step.logit_rows]
+
+    def _run_stage(self, input_ids: torch.Tensor, meta: AttentionMetadata,
+                   logit_rows: list[torch.Tensor]) -> list[torch.Tensor | None]:
+        """This pipeline stage's part of a step: its micro-batches one after another, each the
+        previous stage's hidden states in, this stage's layers, out to the next (sent without
+        waiting: the next micro-batch starts meanwhile). The last stage's logits (float32) go
+        to rank 0, which samples: rank 0 returns them, the last stage's ranks their own, the
+        other ranks nothing."""
         pp = self.pp
-        if pp.size == 1:
-            # [T, hidden]; a step that saves runs eagerly: a CUDA graph would not replay the saves
-            hidden = self._saving_forward(input_ids, meta, kv_saves) if kv_saves else self.step_forward(input_ids, meta)
-            every_row = self._first_rows.get(hidden.shape[0])  # a step of decodes samples every row: no gather
-            return [self.model.compute_logits(hidden if rows is every_row else hidden[rows]) if rows.numel() else None
-                    for rows in logit_rows]
-        # A stage: its micro-batches one after another, each the previous stage's hidden states
-        # in, this stage's layers, out to the next (sent without waiting: the next micro-batch
-        # starts meanwhile); the last stage's logits go to rank 0, which samples.
         count = micro_batch_count(self.config.pipeline_micro_batches, pp.size, meta.num_tokens)
         parts = split_batch(input_ids, meta, logit_rows, count)
         sends, logits = [], []
@@ -338,12 +331,14 @@ class ModelRunner:
             connector.finish_saves()
         return hidden
 
-    @on_every_rank
-    @torch.inference_mode()
     def load_kv(self, transfers: list[BlockTransfer]) -> list[int]:
         """The KV connector loads these blocks on every rank; the indices of those that
         failed on any rank (in order), which all ranks then drop."""
-        connector = self.connector
+        return self.on_every_rank(LoadKV(transfers))
+
+    @torch.inference_mode()
+    def _load_kv(self, message: LoadKV) -> list[int]:
+        transfers, connector = message.transfers, self.connector
         with calling(connector, "kv_connector", "load()"):
             failed = connector.load(transfers)
         if not isinstance(failed, list) or not all(isinstance(i, int) and 0 <= i < len(transfers) for i in failed):
@@ -354,6 +349,37 @@ class ModelRunner:
             flags[failed] = 1.0
             failed = self.tp.all_reduce(flags).nonzero().flatten().tolist()
         return sorted(set(failed))
+
+    # -- what ranks > 0 can be asked to do (messages.py) ---------------------------------
+    # Each message and what every rank runs for it; Stop ends a worker's loop instead.
+    HANDLERS: ClassVar[dict[type, Callable[[ModelRunner, Any], Any]]] = {
+        AllocateKVCache: _allocate_kv_cache,
+        RunModel: _run_model,
+        LoadKV: _load_kv,
+    }
+
+    def on_every_rank(self, message: RankMessage) -> Any:
+        """Carry out ``message`` on every rank: rank 0 sends it to the others first (one broadcast)."""
+        handler = self._handler(message)
+        if self.tp.size * self.pp.size == 1 or not self.tp.driver:
+            return handler(self, message)
+        self.tp.broadcast(message)
+        try:
+            return handler(self, message)
+        except Exception as e:  # the others may wait in a collective rank 0 never reaches: no retry
+            raise RanksOutOfStep(f"rank 0 failed in {handler.__name__.lstrip('_')} while the other ranks ran "
+                                 f"it: {type(e).__name__}: {e}") from e
+
+    def handle(self, message: RankMessage) -> Any:
+        """Carry out one message on this rank alone (a rank > 0: each one rank 0 sends)."""
+        return self._handler(message)(self, message)
+
+    def _handler(self, message: RankMessage) -> Callable[[ModelRunner, Any], Any]:
+        handler = self.HANDLERS.get(type(message))
+        if handler is None:
+            raise TypeError(f"a rank cannot be asked to {type(message).__name__}: the messages it "
+                            f"handles are {', '.join(t.__name__ for t in self.HANDLERS)}")
+        return handler
 
     def close(self) -> None:
         """The engine stops: the KV connector lets go of what it holds."""

@@ -2,8 +2,8 @@
 (each runs :func:`modserve.api.run_worker`).
 
 Every rank holds its shard of the model and of the KV cache. Rank 0 alone schedules and
-samples; each runner call the others must make too (``@on_every_rank`` in the runner) it
-first broadcasts as ``(method, args)`` on the ranks' gloo group: one message per step.
+samples; each runner call the others must make too it first broadcasts on the ranks' gloo
+group as a message of :mod:`modserve.runner.messages`: one message per step.
 """
 
 from __future__ import annotations
@@ -19,12 +19,12 @@ import torch.distributed as dist
 from modserve.core.config import EngineConfig
 from modserve.core.contracts.executor import Executor, WorkerSpec
 from modserve.core.contracts.platform import Platform
+from modserve.runner.messages import Stop
 from modserve.runner.parallel import PipelineStage, TensorParallel, init_parallel
 from modserve.core.registry import Registry
 
 logger = logging.getLogger("modserve")
 
-STOP = "stop"  # the call that ends a worker's loop
 STOP_SEND_TIMEOUT_S = 5.0  # a worker that has not taken the stop by then is frozen: the executor kills it
 ENV_PREFIXES = ("MODSERVE_", "OMP_", "MKL_", "TORCHINDUCTOR_", "CUDA_VISIBLE_DEVICES")
 
@@ -82,11 +82,11 @@ def stop_ranks(executor: Executor, tp: TensorParallel, world_size: int, tell: bo
 
 
 def _send_stop(tp: TensorParallel) -> threading.Thread:
-    """Broadcast ``stop`` from a thread, waiting for it at most STOP_SEND_TIMEOUT_S: a frozen
+    """Broadcast :class:`Stop` from a thread, waiting for it at most STOP_SEND_TIMEOUT_S: a frozen
     worker never takes it, and the executor must get the chance to kill it."""
     def send() -> None:
         try:
-            tp.broadcast((STOP, ()))
+            tp.broadcast(Stop())
         except Exception as e:  # a worker already gone: the executor reaps the rest
             logger.warning("tensor parallel: could not tell every worker to stop: %s", e)
 

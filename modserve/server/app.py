@@ -15,6 +15,7 @@ from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 import modserve
+from modserve.engine.client import EngineClient
 from modserve.engine.engine import LLMEngine
 from modserve.core.registry import PluginError
 from modserve.server.chat_tokenizer import ChatTokenizer
@@ -50,8 +51,9 @@ def create_app(engine: LLMEngine | Sequence[LLMEngine], api_key: str | None = No
     engine = engines[0]
     config = engine.config
     metrics = ServerMetrics()
-    async_engine: AsyncEngine | ReplicaSet = AsyncEngine(engine, observer=metrics) if len(engines) == 1 \
+    async_engine: EngineClient = AsyncEngine(engine, observer=metrics) if len(engines) == 1 \
         else ReplicaSet(engines, observer=metrics)
+    max_model_len = async_engine.limits.max_model_len
     tokenizer_path = config.tokenizer or config.model
     template = config.chat_template_text()
     names, hidden_names = served_names(config)
@@ -62,7 +64,7 @@ def create_app(engine: LLMEngine | Sequence[LLMEngine], api_key: str | None = No
         model_name=names[0],
         model_aliases=tuple(names[1:]),
         hidden_aliases=hidden_names,
-        max_model_len=engine.max_model_len,
+        max_model_len=max_model_len,
         max_waiting_requests=config.max_waiting_requests,
         grammar_timeout=config.grammar_compile_timeout,
         limits=RequestLimits.of(config),
@@ -88,7 +90,7 @@ def create_app(engine: LLMEngine | Sequence[LLMEngine], api_key: str | None = No
     app.router.route_class = JSONRoute  # before the routes: each parses its body with it
     app.state.server = state
     app.state.metrics = metrics
-    max_body = config.max_request_body_bytes or default_max_body_bytes(engine.max_model_len)
+    max_body = config.max_request_body_bytes or default_max_body_bytes(max_model_len)
     app.add_middleware(BodyLimitMiddleware, max_bytes=max_body, timeout=config.request_read_timeout)
     if api_key:  # outside the body limit: a request without the key is refused before its body is read
         app.add_middleware(APIKeyMiddleware, api_key=api_key)

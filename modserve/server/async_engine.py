@@ -3,7 +3,9 @@
 NOTE: only the engine thread ever touches the LLMEngine. The event loop talks to
 it through a thread-safe command queue (add, abort, stats, stop), and the thread
 hands results back with one ``loop.call_soon_threadsafe`` per step. Everything
-on the asyncio side (routes, the waiting count) is touched only by the loop.
+on the asyncio side (routes, the waiting count) is touched only by the loop. The
+loop reads only what was taken from the engine before its thread started: its
+limits (immutable) and its grammar compiler (thread-safe).
 """
 
 from __future__ import annotations
@@ -14,14 +16,18 @@ import queue
 import threading
 import time
 from collections import deque
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from itertools import count
 from typing import Any, Callable, Protocol
 
+from modserve.engine.client import EngineClient, OutputStream
 from modserve.engine.engine import EngineDeadError, LLMEngine
+from modserve.engine.grammar_compile import CompiledGrammar
 from modserve.core.outputs import RequestOutput
 from modserve.core.registry import PluginError
 from modserve.core.sampling_params import SamplingParams
+from modserve.core.structured_outputs import GrammarSpec
 
 logger = logging.getLogger("modserve.server")
 
@@ -105,20 +111,26 @@ class _Stop:
     pass
 
 
-class AsyncEngine:
-    def __init__(self, engine: LLMEngine, observer: RequestObserver | None = None) -> None:
+class AsyncEngine(EngineClient):
+    """``id_prefix`` starts every request id after ``req-``: a ReplicaSet gives each replica its
+    own, so that ids are unique across the set and an abort by id reaches only the holder."""
+
+    def __init__(self, engine: LLMEngine, observer: RequestObserver | None = None, id_prefix: str = "") -> None:
         self.engine = engine
         self.observer = observer
+        self.limits = engine.limits
+        self._grammar = engine.grammar
         self.stall_timeout = engine.config.stream_stall_timeout
         self._commands: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._routes: dict[str, RequestStream] = {}  # loop thread only
         self._waiting: set[str] = set()  # submitted, no output yet; loop thread only
+        self._id_prefix = id_prefix
         self._ids = count()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self.last_stats: dict[str, Any] = {}
         # Why the engine died (EngineDeadError's message), once the loop thread knows it.
-        self.dead_reason: str | None = None
+        self._dead_reason: str | None = None
         self._pending_stats: set[asyncio.Future] = set()  # loop thread only
 
     # -- lifecycle ------------------------------------------------------------------
@@ -142,6 +154,10 @@ class AsyncEngine:
     def alive(self) -> bool:
         return self.dead_reason is None and self._thread is not None and self._thread.is_alive()
 
+    @property
+    def dead_reason(self) -> str | None:
+        return self._dead_reason
+
     def shutdown_engine(self) -> None:
         """Stop the engine's tensor-parallel workers, after ``stop()`` (the server's last act).
 
@@ -150,7 +166,7 @@ class AsyncEngine:
         are killed instead (which ends the stuck step too)."""
         if self._thread is not None and self._thread.is_alive():
             logger.warning("the engine thread is still running a step: killing its workers")
-            self.engine.grammar.close()
+            self._grammar.close()
             self.engine.executor.shutdown()
         else:
             self.engine.shutdown()
@@ -169,7 +185,7 @@ class AsyncEngine:
         return stream
 
     def new_request_ids(self, num: int) -> list[str]:
-        batch = next(self._ids)
+        batch = f"{self._id_prefix}{next(self._ids)}"
         return [f"req-{batch}-{i}" for i in range(num)]
 
     def add(self, stream: "RequestStream", request_ids: list[str], prompts: list[list[int]],
@@ -211,13 +227,19 @@ class AsyncEngine:
         """Engine requests submitted and not yet ended (loop thread)."""
         return len(self._routes)
 
-    def cancel_all(self, error: EngineError) -> None:
+    def cancel_all(self, error: Exception) -> None:
         """End every request in flight with ``error`` (loop thread): their streams raise it,
         and the engine aborts them, freeing their blocks."""
         ids = list(self._routes)
         self._deliver([(rid, error) for rid in ids])
         for rid in ids:
             self._commands.put(_Abort(rid))
+
+    def compile_grammar(self, spec: GrammarSpec) -> Future[CompiledGrammar]:
+        return self._grammar.submit(spec)  # thread-safe: no need to wait for the engine thread
+
+    def stop_compiles(self) -> None:
+        self._grammar.close()
 
     def _deliver(self, batch: list[tuple[str, Result]]) -> None:
         for rid, result in batch:
@@ -242,7 +264,7 @@ class AsyncEngine:
     def _engine_died(self, reason: str) -> None:
         """(loop thread) The engine thread ended on an EngineDeadError: no request is taken
         any more, and whatever waits on the engine thread is answered now."""
-        self.dead_reason = reason
+        self._dead_reason = reason
         error = EngineStopped(f"the engine stopped: {reason}")
         self._deliver([(rid, error) for rid in list(self._routes)])  # submitted after its last look
         for future in self._pending_stats:
@@ -344,7 +366,7 @@ def _resolve(future: asyncio.Future, value: Any, error: BaseException | None = N
 
 
 @dataclass(eq=False)
-class RequestStream:
+class RequestStream(OutputStream):
     """The outputs of the engine requests one HTTP request made, as they come.
 
     Iterating yields RequestOutputs (cumulative, as the engine makes them). Only each

@@ -9,7 +9,8 @@ from fastapi.responses import Response, StreamingResponse
 from starlette.background import BackgroundTask
 
 from modserve.core.outputs import RequestOutput
-from modserve.server.async_engine import EngineError, RequestStream
+from modserve.engine.client import OutputStream
+from modserve.server.async_engine import EngineError
 from modserve.server.logprobs import TokenText, chat_logprobs, prompt_logprobs
 from modserve.server.protocol import (ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest,
                                       ChatCompletionResponse, ChatMessage, ChatMessageOut, DeltaMessage, Usage,
@@ -62,7 +63,7 @@ def _response(body: ChatCompletionRequest, state: ServerState, outputs: list[Req
                                   usage=Usage.of(*usage_counts(outputs)), prompt_logprobs=scored)
 
 
-async def _stream(body: ChatCompletionRequest, state: ServerState, stream: RequestStream, response_id: str,
+async def _stream(body: ChatCompletionRequest, state: ServerState, stream: OutputStream, response_id: str,
                   prompt_tokens: int) -> AsyncIterator[str]:
     created = now()
 

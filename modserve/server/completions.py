@@ -9,7 +9,8 @@ from fastapi.responses import Response, StreamingResponse
 from starlette.background import BackgroundTask
 
 from modserve.core.outputs import RequestOutput
-from modserve.server.async_engine import EngineError, RequestStream
+from modserve.engine.client import OutputStream
+from modserve.server.async_engine import EngineError
 from modserve.server.logprobs import TokenText, completion_logprobs, echo_logprobs, prompt_logprobs
 from modserve.server.protocol import (CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse,
                                       PromptLogprobs, Usage)
@@ -76,7 +77,7 @@ def _prompt_part(body: CompletionRequest, token_text: TokenText,
     return echoed, scored
 
 
-async def _stream(body: CompletionRequest, state: ServerState, stream: RequestStream, response_id: str,
+async def _stream(body: CompletionRequest, state: ServerState, stream: OutputStream, response_id: str,
                   echoes: list[str] | None, prompt_tokens: int) -> AsyncIterator[str]:
     tally = StreamTally(body.n, prompt_tokens)
     offsets: dict[int, int] = {}  # choice index -> characters sent, for logprobs' text_offset

@@ -1,13 +1,11 @@
 """Data parallelism: N engine replicas behind one server, each request routed to one of them.
 
-:class:`ReplicaSet` has the interface the server uses on an :class:`AsyncEngine` (start,
-stop, alive, num_waiting, num_in_flight, submit, abort, stats, cancel_all, and ``engine``
-for the checks that read only immutable settings), over N AsyncEngines, each stepping its
-own :class:`LLMEngine` (which may itself be tensor-parallel) in its own thread.
+:class:`ReplicaSet` is an :class:`~modserve.engine.client.EngineClient`, as an
+:class:`AsyncEngine` is, over N AsyncEngines, each stepping its own :class:`LLMEngine`
+(which may itself be tensor-parallel) in its own thread.
 
-Routing (:class:`Router`, on the event loop): a prompt's full KV blocks are chained into
-hashes as the paged allocator chains its prefix-cache keys (a block's hash covers every
-token before it), and every replica keeps an LRU set of the hashes of the prompts sent
+Routing (:class:`Router`, on the event loop): a prompt's full KV blocks are hashed by
+``block_keys``, the prefix cache's keys (a block's hash covers every token before it), and every replica keeps an LRU set of the hashes of the prompts sent
 to it, about as many as it has KV blocks. With ``prefix`` routing a prompt goes to the
 replica holding the longest run of its leading hashes, when that is one block or more and
 that replica is not a full batch (``max_num_seqs``) busier than the idlest one; otherwise,
@@ -19,18 +17,20 @@ prompts may run on several replicas, and their outputs come back through one str
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import logging
-from array import array
 from collections import OrderedDict
+from concurrent.futures import Future
 from dataclasses import dataclass, field
-from itertools import count
 from typing import Any, Callable, Literal, Mapping, Sequence
 
 from modserve.core.config import EngineConfig
+from modserve.core.contracts.kv_allocator import block_keys
+from modserve.core.structured_outputs import GrammarSpec
+from modserve.engine.client import EngineClient
 from modserve.engine.engine import LLMEngine
+from modserve.engine.grammar_compile import CompiledGrammar
 from modserve.core.sampling_params import SamplingParams
-from modserve.server.async_engine import AsyncEngine, EngineDead, EngineError, RequestObserver, RequestStream
+from modserve.server.async_engine import AsyncEngine, EngineDead, RequestObserver, RequestStream
 
 logger = logging.getLogger("modserve.server")
 
@@ -92,33 +92,20 @@ def build_engines(config: EngineConfig, make: Callable[[EngineConfig], LLMEngine
 
 
 # -- routing ------------------------------------------------------------------------------------------
-def block_hashes(token_ids: Sequence[int], block_size: int) -> list[bytes]:
-    """One hash per full block of ``token_ids``, each over its parent's hash and its own tokens:
-    equal hashes at position i mean equal prompts up to the end of block i."""
-    hashes: list[bytes] = []
-    parent = b""
-    for start in range(0, len(token_ids) - block_size + 1, block_size):
-        h = hashlib.blake2b(parent, digest_size=16)
-        h.update(array("q", token_ids[start:start + block_size]).tobytes())
-        parent = h.digest()
-        hashes.append(parent)
-    return hashes
-
-
 class PrefixIndex:
     """The block hashes of the prompts routed to one replica: an LRU set of at most ``capacity``."""
 
     def __init__(self, capacity: int) -> None:
         self.capacity = max(1, capacity)
-        self.hashes: OrderedDict[bytes, None] = OrderedDict()
+        self.hashes: OrderedDict[str, None] = OrderedDict()
 
-    def __contains__(self, h: bytes) -> bool:
+    def __contains__(self, h: str) -> bool:
         return h in self.hashes
 
     def __len__(self) -> int:
         return len(self.hashes)
 
-    def add(self, hashes: Sequence[bytes]) -> None:
+    def add(self, hashes: Sequence[str]) -> None:
         """Record ``hashes`` as the most recent (in order: a prefix's first block is evicted first)."""
         table = self.hashes
         for h in hashes:
@@ -164,7 +151,7 @@ class Router:
     def choose(self, token_ids: Sequence[int], loads: Mapping[int, int]) -> Route:
         """The replica for a prompt, among ``loads``' keys (the live replicas: their requests in
         flight); the prompt's blocks are then recorded in that replica's index."""
-        hashes = block_hashes(token_ids, self.block_size)
+        hashes = block_keys(token_ids, self.block_size)
         least = min(loads, key=lambda i: (loads[i], i))
         route = Route(least, "load", self._matched(least, hashes))
         if self.routing == "prefix" and hashes:
@@ -177,7 +164,7 @@ class Router:
         self.matched_blocks += route.matched_blocks
         return route
 
-    def _longest_match(self, hashes: list[bytes], loads: Mapping[int, int]) -> tuple[int, int]:
+    def _longest_match(self, hashes: list[str], loads: Mapping[int, int]) -> tuple[int, int]:
         """(replica, leading blocks matched): the longest run; among equals the least loaded, then
         the lowest index. One pass down the chain, dropping replicas as their run ends."""
         candidates = sorted(loads, key=lambda i: (loads[i], i))
@@ -189,7 +176,7 @@ class Router:
             candidates, matched = still, matched + 1
         return candidates[0], matched
 
-    def _matched(self, replica: int, hashes: list[bytes]) -> int:
+    def _matched(self, replica: int, hashes: list[str]) -> int:
         index = self.indexes[replica]
         n = 0
         for h in hashes:
@@ -204,17 +191,7 @@ class Router:
 
 
 # -- the replica set -------------------------------------------------------------------------------
-class _Replica(AsyncEngine):
-    """An AsyncEngine whose request ids name its replica (``req-r1-7-0``), so ids are unique
-    across the set and an abort by id reaches only the replica holding the request."""
-
-    def __init__(self, engine: LLMEngine, observer: RequestObserver | None, index: int) -> None:
-        super().__init__(engine, observer=observer)
-        self.index = index
-        self._ids = (f"r{index}-{n}" for n in count())  # type: ignore[assignment]
-
-
-class ReplicaSet:
+class ReplicaSet(EngineClient):
     """N AsyncEngines behind the interface of one (see the module's docstring)."""
 
     def __init__(self, engines: Sequence[LLMEngine], observer: RequestObserver | None = None,
@@ -222,17 +199,14 @@ class ReplicaSet:
         if not engines:
             raise ValueError("a ReplicaSet needs at least one engine")
         config = engines[0].config
-        self.replicas = [_Replica(e, observer, i) for i, e in enumerate(engines)]
+        # Replica i's request ids read ``req-r<i>-...``: unique across the set, so an abort by
+        # id reaches only the replica holding the request.
+        self.replicas = [AsyncEngine(e, observer, id_prefix=f"r{i}-") for i, e in enumerate(engines)]
+        self.limits = engines[0].limits  # replicas of one config: the same limits
         # The allocators are read here, before any engine thread runs.
         self.router = Router(config.block_size, [e.allocator.num_blocks for e in engines],
                              routing or config.data_parallel_routing,
                              balance_slack if balance_slack is not None else config.max_num_seqs)
-
-    @property
-    def engine(self) -> LLMEngine:
-        """Replica 0's engine, for what reads only settings every replica shares (validation,
-        the grammar compiler's warm-up)."""
-        return self.replicas[0].engine
 
     @property
     def routing(self) -> str:
@@ -253,11 +227,11 @@ class ReplicaSet:
     def shutdown_engine(self) -> None:
         """Each replica's ``shutdown_engine()`` (its tensor-parallel workers), after ``stop()``;
         one that fails does not keep the others' workers running."""
-        for r in self.replicas:
+        for i, r in enumerate(self.replicas):
             try:
                 r.shutdown_engine()
             except Exception:
-                logger.exception("could not shut down replica %d's engine", r.index)
+                logger.exception("could not shut down replica %d's engine", i)
 
     @property
     def alive(self) -> bool:
@@ -267,9 +241,9 @@ class ReplicaSet:
     @property
     def dead_reason(self) -> str | None:
         """Why the first replica that died did (see AsyncEngine.dead_reason), else None."""
-        for r in self.replicas:
+        for i, r in enumerate(self.replicas):
             if r.dead_reason is not None:
-                return f"replica {r.index}: {r.dead_reason}"
+                return f"replica {i}: {r.dead_reason}"
         return None
 
     @property
@@ -285,7 +259,7 @@ class ReplicaSet:
                arrival_time: float | None = None, priority: int = 0) -> RequestStream | SplitStream:
         """Each prompt to its replica (see :class:`Router`); one stream for all of them. Only
         live replicas get requests; with none, EngineDead."""
-        loads = {r.index: r.num_in_flight for r in self.replicas if r.alive}
+        loads = {i: r.num_in_flight for i, r in enumerate(self.replicas) if r.alive}
         if not loads:
             raise EngineDead("no engine replica is running")
         groups: dict[int, list[int]] = {}
@@ -314,9 +288,17 @@ class ReplicaSet:
         for r in self.replicas:  # ids are unique across replicas: only the holder acts
             r.abort(request_id, reason)
 
-    def cancel_all(self, error: EngineError) -> None:
+    def cancel_all(self, error: Exception) -> None:
         for r in self.replicas:
             r.cancel_all(error)
+
+    # NOTE: a request's constraint is checked on replica 0's compiler alone: the replicas share
+    # one config, so a spec one refuses every one refuses (each compiles its own again, cached).
+    def compile_grammar(self, spec: GrammarSpec) -> Future[CompiledGrammar]:
+        return self.replicas[0].compile_grammar(spec)
+
+    def stop_compiles(self) -> None:
+        self.replicas[0].stop_compiles()
 
     async def stats(self) -> dict[str, Any]:
         """The replicas' engine.stats() summed (kv_usage recomputed from the sums), with each

@@ -18,12 +18,12 @@ from modserve.core.sampling_params import SamplingParams
 from modserve.server.chat_tokenizer import ChatTokenizer
 from modserve.engine.grammar_compile import START_TIMEOUT_S, CompilerClosed
 from modserve.engine.grammar import timeout_message
-from modserve.server.async_engine import (DEAD_MESSAGE, AsyncEngine, EngineDead, EngineError, EngineStopped,
-                                          PluginFailed, RequestStream, ShuttingDown, StreamStalled)
+from modserve.engine.client import EngineClient, OutputStream
+from modserve.server.async_engine import (DEAD_MESSAGE, EngineDead, EngineError, EngineStopped, PluginFailed,
+                                          ShuttingDown, StreamStalled)
 from modserve.server.errors import APIError, invalid
 from modserve.server.grammar_bounds import GrammarBounds, check_bounds
 from modserve.server.logprobs import TokenText
-from modserve.server.replicas import ReplicaSet, SplitStream
 from modserve.server.request_limits import RequestLimits
 from modserve.server.response_size import ResponseBound
 from modserve.server.tokenizer_pool import TokenizerPool
@@ -52,7 +52,7 @@ def new_id(prefix: str) -> str:
 class ServerState:
     """Everything a route needs; one per app, on ``app.state.server``."""
 
-    engine: AsyncEngine | ReplicaSet  # a ReplicaSet: data-parallel replicas behind the same interface
+    engine: EngineClient  # an AsyncEngine, or a ReplicaSet (data-parallel replicas served as one)
     # NOTE: the server's own tokenizer, used on the event-loop thread only and for short
     # work (one token's text); prompts are tokenized, and whole answers built, on the pool's threads.
     tokenizer: ChatTokenizer
@@ -107,14 +107,14 @@ class ServerState:
 
     def check_prompt(self, token_ids: list[int], param: str) -> None:
         try:
-            self.engine.engine.validate_prompt(token_ids)  # reads only immutable engine settings
+            self.engine.limits.validate_prompt(token_ids)
         except ValueError as e:
             raise invalid(param, str(e)) from None
 
     def check_params(self, params: SamplingParams) -> None:
         """The settings against this engine's vocabulary and limits (n, stop_token_ids)."""
         try:
-            self.engine.engine.validate_params(params)  # reads only immutable engine settings
+            self.engine.limits.validate_params(params)
         except ValueError as e:  # the messages start with the field's name
             field_name, _, why = str(e).partition(" ")
             raise invalid(field_name, why) from None
@@ -134,7 +134,7 @@ class ServerState:
                           f"{self.max_waiting_requests} can ever queue; send them in smaller batches")
 
     def submit(self, prompts: list[list[int]], params: SamplingParams, arrival: float,
-               priority: int = 0) -> RequestStream | SplitStream:
+               priority: int = 0) -> OutputStream:
         """Hand the prompts to the engine, or 503 when too many are already waiting."""
         self.check_batch(len(prompts))
         if self.draining:
@@ -163,7 +163,7 @@ class ServerState:
                 raise invalid(param, str(e)) from None
         self.compiles_in_flight += 1  # the drain on SIGTERM waits for them too
         try:
-            grammar = self.engine.engine.grammar.submit(spec)  # thread-safe
+            grammar = self.engine.compile_grammar(spec)
             # The compiler ends the Future by the timeout itself, killing the compile (its worker's
             # start-up not counted): this bound is a backstop. shield: a client that leaves must
             # not cancel a compile that other requests share.
@@ -182,7 +182,7 @@ class ServerState:
 
     def stop_compiles(self) -> None:
         """Kill the grammar compiles requests wait for (the drain's deadline)."""
-        self.engine.engine.grammar.close()
+        self.engine.stop_compiles()
 
     def token_text(self, token_id: int) -> str:
         text = self.token_strings.get(token_id)
@@ -223,7 +223,7 @@ class ServerState:
         return StreamingResponse(pieces(), media_type="application/json", headers={"Content-Length": str(len(body))})
 
 
-async def final_outputs(stream: RequestStream | SplitStream, request: Request) -> list[RequestOutput]:
+async def final_outputs(stream: OutputStream, request: Request) -> list[RequestOutput]:
     """Run a non-streamed request to the end; a client that hangs up aborts it."""
     latest: dict[str, RequestOutput] = {}
     try:
@@ -305,7 +305,7 @@ class StreamTally:
     cursors: dict[tuple[int, int], Cursor] = field(default_factory=dict)
     completion_tokens: dict[tuple[int, int], int] = field(default_factory=dict)
 
-    def pieces(self, stream: RequestStream | SplitStream, out: RequestOutput) -> Iterator[tuple[int, Piece]]:
+    def pieces(self, stream: OutputStream, out: RequestOutput) -> Iterator[tuple[int, Piece]]:
         """(choice index, piece) for every choice of ``out`` with something new to send."""
         prompt_index = stream.index(out.request_id)
         for c in out.outputs:

@@ -4,12 +4,35 @@ which full prompt blocks a new sequence can reuse.
 
 from __future__ import annotations
 
+import hashlib
 from abc import ABC, abstractmethod
+from array import array
+from collections import abc
 from typing import Iterable
 
 from pydantic import BaseModel
 
 from modserve.core.sequence import Sequence
+
+
+def block_keys(token_ids: abc.Sequence[int], block_size: int, num_blocks: int | None = None,
+               chain: list[str] | None = None) -> list[str]:
+    """The content keys of the first ``num_blocks`` full blocks of ``token_ids`` (default: all):
+    block i's is the hex sha256 of block i-1's digest and its tokens as int64s, so equal keys
+    mean equal tokens from the first to the block's end, in every process and run. The prefix
+    cache, the KV connector's store and the data-parallel router all name blocks by it.
+
+    ``chain``: the keys already made for these tokens (``seq.block_hashes``), extended in place
+    and returned. NOTE: another caller may have made it longer than ``num_blocks``: read only
+    the first ``num_blocks``."""
+    keys = [] if chain is None else chain
+    full = len(token_ids) // block_size
+    stop = full if num_blocks is None else min(num_blocks, full)
+    parent = bytes.fromhex(keys[-1]) if keys else b""
+    for start in range(len(keys) * block_size, stop * block_size, block_size):
+        parent = hashlib.sha256(parent + array("q", token_ids[start:start + block_size]).tobytes()).digest()
+        keys.append(parent.hex())
+    return keys
 
 
 class KVAllocator(ABC):

@@ -1,6 +1,4 @@
-"""The platform's contract (config key ``platform``): one device type's answers to what the
-core would otherwise ask with ``if device.type``.
-"""
+"""The platform's contract (config key ``platform``): one device type's answers (:class:`Platform`)."""
 
 from __future__ import annotations
 
@@ -58,18 +56,16 @@ StepForward = Callable[[torch.Tensor, AttentionMetadata], torch.Tensor]
 
 class Platform(ABC):
     """One device type's answers to what the core would otherwise ask with ``if device.type``:
-    the compute dtype, the memory left for the KV cache, process tuning, when to compile,
+    each rank's device, the compute dtype, the KV cache's memory, process tuning, when to compile,
     and how linears without a quantizer (and the LM head) keep and multiply their weights.
 
-    Contract: one per engine, made as ``cls(device, options=)`` before anything is loaded.
-    Every method runs at start-up, none per step (only the linear method's ``apply`` does),
-    in this order: ``prepare_process``,
-    ``resolve_dtype``, ``linear_method`` (while the model is built on "meta"),
-    ``finish_model`` (once its weights are loaded and its linears finished),
-    ``available_memory`` (when the KV cache is sized). Whatever ``finish_model`` adds lives
-    on the layers the linear method multiplies (:func:`modserve.runner.linear.float_layers`),
-    and only that method reads it: the model stays the same on every platform.
-    """
+    Contract: one per rank, made as ``cls(device, options=)`` before anything is loaded. Every method
+    runs at start-up, none per step (only the linear method's ``apply`` does), in this order:
+    ``device_for_rank`` (a rank > 0's), ``prepare_process``, ``resolve_dtype``, ``linear_method`` (while
+    the model is built on "meta"), ``finish_model`` (once its weights are loaded and its linears
+    finished), ``available_memory``, ``shares_host_memory`` and ``pin_memory`` (the KV cache).
+    Whatever ``finish_model`` adds lives on the layers the linear method multiplies (and only that
+    method reads it: :func:`modserve.runner.linear.float_layers`): the model stays the same everywhere."""
 
     # The torch.distributed backend of this device's tensor-parallel collectives.
     distributed_backend: ClassVar[str] = "gloo"
@@ -77,6 +73,18 @@ class Platform(ABC):
     def __init__(self, device: torch.device, options: BaseModel | None = None) -> None:
         self.device = device
         self.options = options
+
+    def device_for_rank(self, rank: int) -> torch.device:
+        """Global rank ``rank`` > 0's device, rank 0's being this one. Default: this one, shared."""
+        return self.device
+
+    def shares_host_memory(self) -> bool:
+        """The device computes in RAM: every rank's KV cache shares it, copies into it block. Default: no."""
+        return False
+
+    def pin_memory(self) -> bool:
+        """The host swap space is pinned (page-locked) for faster copies to and from the device. Default: no."""
+        return False
 
     def prepare_process(self) -> None:
         """Process-wide tuning before the model is loaded (the host allocator). Default: nothing."""

@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import hashlib
-from array import array
 from collections import OrderedDict, deque
 from typing import Iterable
 
 from pydantic import BaseModel, ConfigDict
 
-from modserve.api import Sequence
+from modserve.api import Sequence, block_keys
 from modserve.plugins.kv_allocators.refcounted import RefCountedAllocator
 
 
@@ -21,9 +19,9 @@ class PagedOptions(BaseModel):
 class PagedAllocator(RefCountedAllocator):
     """Fixed-size blocks on demand, ref-counted, with full blocks cached by content.
 
-    NOTE: a full block's key is sha256(parent key + its token ids), so a key names
-    the whole prefix up to that block and a match can never be a collision in
-    practice. A freed block keeps its key and contents and waits in an LRU queue;
+    NOTE: a full block's key is its ``block_keys`` one, sha256(parent key + its token
+    ids), so a key names the whole prefix up to that block and a match can never be a
+    collision in practice. A freed block keeps its key and contents and waits in an LRU queue;
     it is evicted only when a block is needed and no plain free block is left.
     Partial blocks are never cached, so cached blocks are never written again.
     """
@@ -32,8 +30,8 @@ class PagedAllocator(RefCountedAllocator):
                  options: PagedOptions | None = None) -> None:
         super().__init__(num_blocks, block_size, max_model_len, options)
         self.caching = (options or PagedOptions()).enable_prefix_caching
-        self.block_key: list[bytes | None] = [None] * num_blocks
-        self.cached: dict[bytes, int] = {}  # key -> block holding it
+        self.block_key: list[str | None] = [None] * num_blocks
+        self.cached: dict[str, int] = {}  # key -> block holding it
         self.free_plain: deque[int] = deque(range(num_blocks))  # no key: reuse first
         self.free_cached: OrderedDict[int, None] = OrderedDict()  # keyed, least recently freed first
 
@@ -66,14 +64,10 @@ class PagedAllocator(RefCountedAllocator):
         self.published[child.seq_id] = self.published.get(parent.seq_id, 0)
 
     # -- prefix cache -------------------------------------------------------------------
-    def _keys(self, seq: Sequence, num_blocks: int) -> list[bytes]:
-        keys = seq.block_hashes
-        bs = self.block_size
-        for i in range(len(keys), num_blocks):
-            h = hashlib.sha256(keys[-1] if keys else b"")
-            h.update(array("q", seq.token_ids[i * bs : (i + 1) * bs]).tobytes())
-            keys.append(h.digest())
-        return keys
+    def _keys(self, seq: Sequence, num_blocks: int) -> list[str]:
+        """The keys of ``seq``'s first ``num_blocks`` blocks, made into ``seq.block_hashes`` when
+        missing. NOTE: the KV connector's planning extends that list too, maybe past them."""
+        return block_keys(seq.token_ids, self.block_size, num_blocks, seq.block_hashes)[:num_blocks]
 
     def match_prefix(self, seq: Sequence) -> int:
         if not self.caching:

@@ -78,7 +78,9 @@ class RefCountedAllocator(KVAllocator):
     def _newly_full(self, seq: Sequence) -> range:
         """Indices of ``seq``'s blocks that are full since the prefix cache was last offered
         them (``mark_computed``); recorded as offered now."""
-        full = seq.num_computed_tokens // self.block_size
+        # NOTE: a speculating sequence's accepted drafts are computed before they are appended: a
+        # block is offered once its tokens are known too (the next step offers the rest).
+        full = min(seq.num_computed_tokens, seq.num_tokens) // self.block_size
         start = self.published.get(seq.seq_id, 0)
         if full > start:
             self.published[seq.seq_id] = full

@@ -42,6 +42,9 @@ class CpuPlatform(Platform):
             raise ValueError(f"the cpu platform runs on device cpu, not {device}")
         super().__init__(device, options or CpuOptions())
 
+    def shares_host_memory(self) -> bool:
+        return True  # the KV cache is in RAM, beside every other rank's on this machine
+
     def prepare_process(self) -> None:
         keep_freed_memory()  # a step's activations reuse the last step's pages
 

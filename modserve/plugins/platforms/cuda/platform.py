@@ -23,6 +23,13 @@ class CudaPlatform(Platform):
             raise ValueError(f"the cuda platform runs on a cuda device, not {device}")
         super().__init__(device, options)
 
+    def device_for_rank(self, rank: int) -> torch.device:
+        """``cuda:{rank}``, one GPU per rank; all on the one GPU a device with an index names."""
+        return self.device if self.device.index is not None else torch.device("cuda", rank)
+
+    def pin_memory(self) -> bool:
+        return True  # swaps then copy straight between page-locked RAM and the GPU
+
     def resolve_dtype(self, name: str, checkpoint: torch.dtype) -> torch.dtype:
         if name != "auto":
             return getattr(torch, name)
