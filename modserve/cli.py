@@ -24,7 +24,7 @@ LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 # One spelling per concept across commands; these others are kept as aliases.
 FLAG_ALIASES: dict[str, tuple[str, ...]] = {"num_threads": ("--threads",), "tensor_parallel_size": ("-tp",)}
 # Taken as typed, never read as YAML (`--served-model-name on` is a name, not a boolean).
-TEXT_FIELDS = ("model", "tokenizer", "served_model_name", "device", "chat_template")
+TEXT_FIELDS = ("model", "tokenizer", "served_model_name", "device", "chat_template", "generation_config")
 LIST_FIELDS = ("cuda_graph_sizes",)  # vLLM's `--cuda-graph-sizes 1 2 4` (or one YAML list; none: [])
 
 
@@ -107,6 +107,8 @@ def field_help(name: str, field: FieldInfo) -> tuple[str, str]:
         metavar = "NAME|MAPPING"
     elif SpeculativeConfig in args:
         metavar = "MAPPING"
+    elif typing.get_origin(args[0]) is dict:  # vLLM's JSON flags (--override-generation-config)
+        metavar = "JSON"
     else:
         metavar = {int: "INT", float: "FLOAT", bool: "BOOL"}.get(args[0], "PATH" if name in ("model", "tokenizer")
                                                                   else "TEXT")
@@ -151,7 +153,7 @@ def engine_overrides(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _yaml_value(name: str, text: str) -> Any:
-    from modserve.core.config import yaml_error
+    from modserve.config_files import yaml_error
 
     try:
         return yaml.safe_load(text)
@@ -162,7 +164,7 @@ def _yaml_value(name: str, text: str) -> Any:
 def config_from_args(args: argparse.Namespace) -> EngineConfig:
     """The EngineConfig of ``--config`` and the engine flags (flags win), logged as selected.
     A file's server keys (``port: 8001`` in a vLLM config) fill the command's flags of that name."""
-    from modserve.core.config import load_config_file
+    from modserve.config_files import load_config_file
     from modserve.vllm_compat import SERVER_KEYS, engine_config
 
     data = load_config_file(args.config) if getattr(args, "config", None) else {}

@@ -3,21 +3,27 @@
 from __future__ import annotations
 
 import weakref
+from functools import lru_cache
 from itertools import count
 from pathlib import Path
-from typing import Any, Sequence as Seq
+from typing import Any, NoReturn, Sequence as Seq
 
 import torch
 from tqdm import tqdm
 from transformers import PreTrainedTokenizerBase
 
-from modserve.core.config import EngineConfig, load_config_file
+from modserve.core.config import EngineConfig
+from modserve.config_files import load_config_file
 from modserve.engine.engine import LLMEngine
 from modserve.engine.limits import EngineLimits
+from modserve.engine.preprocess import preprocess_request, tokenize_bad_words
+from modserve.generation_defaults import GenerationDefaults
 from modserve.core.outputs import RequestOutput
 from modserve.core.registry import Registry
 from modserve.core.sampling_params import SamplingParams
 from modserve.inputs import PromptType, parse_prompts
+from modserve.outputs import Decode, add_vllm_logprobs
+from modserve.sampling_params import BeamSearchParams
 from modserve.server.grammar_bounds import GrammarBounds, check_bounds
 from modserve.vllm_compat import engine_config
 
@@ -44,6 +50,7 @@ class LLM:
         if config.data_parallel_size > 1:
             raise ValueError("data_parallel_size: replicas are the server's (modserve serve --data-parallel-size); "
                              "an LLM runs one engine")
+        self.generation_defaults = GenerationDefaults.of(config)  # a bad file fails before the model loads
         self.engine = LLMEngine(config, registry=registry, progress=progress)
         # NOTE: holds the engine, never self: run when this LLM is collected or at exit.
         self._finalizer = weakref.finalize(self, self.engine.shutdown)
@@ -76,6 +83,12 @@ class LLM:
         """The Hugging Face tokenizer, as vLLM's ``LLM.get_tokenizer()`` (with the configured
         chat_template)."""
         return self.engine.tokenizer.hf
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """As vLLM's: the model's sampling defaults (``generation_config``, with
+        ``override_generation_config``), what ``generate`` and ``chat`` use when given no
+        ``sampling_params``; a SamplingParams passed explicitly keeps its own fields."""
+        return self.generation_defaults.sampling_params()
 
     def reset_prefix_cache(self) -> None:
         """Forget cached prefixes, as vLLM's ``LLM.reset_prefix_cache``: a benchmark that
@@ -126,12 +139,12 @@ class LLM:
         """Run every prompt to completion; outputs come back in input order. A prompt is a
         ``str``, a list of token ids, or vLLM's ``TextPrompt`` / ``TokensPrompt`` dict
         (:mod:`modserve.inputs`). ``priority`` (one per prompt, lower first) matters under the
-        priority scheduler."""
+        priority scheduler. Logprobs come in vLLM's shape (:class:`modserve.outputs.PositionLogprobs`)."""
         self._check_running()
         parsed = parse_prompts(prompts)
         prompts = [p.engine_input for p in parsed]
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
-            params = [sampling_params or SamplingParams()] * len(prompts)
+            params = [sampling_params or self.get_default_sampling_params()] * len(prompts)
         else:
             params = list(sampling_params)
             if len(params) != len(prompts):
@@ -148,8 +161,12 @@ class LLM:
             check_bounds(spec, bounds)  # the same grammar_max_* bounds as the server's
         for spec, grammar in [(spec, compiler.submit(spec)) for spec in specs]:
             compiler.result(grammar, spec)
+        params = self._with_bad_words_tokenized(params)
         for p in params:
             self.engine.limits.validate_params(p)
+        prompts = [prompt if p.truncate_prompt_tokens is None else  # then tokenized here, to be cut
+                   preprocess_request(self.engine.tokenizer, prompt, p, self.engine.max_model_len)
+                   for prompt, p in zip(prompts, params)]
         order = {}
         try:
             for prompt, p, prio in zip(prompts, params, priorities):
@@ -161,7 +178,9 @@ class LLM:
                 self.engine.abort_request(rid)
             raise
         outputs = self._run(order, use_tqdm)
-        for out, p in zip(outputs, parsed):
+        token_text = self._token_text()
+        for out, p, sp in zip(outputs, parsed, params):
+            add_vllm_logprobs(out, token_text if sp.detokenize else None)
             if out.prompt is None:  # a TokensPrompt's own text, if it has one
                 out.prompt = p.text
         return outputs
@@ -177,6 +196,27 @@ class LLM:
         tok = self.engine.tokenizer
         prompts = [tok.encode(tok.apply_chat_template(c), add_special_tokens=False) for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm)
+
+    def beam_search(self, prompts: Any, params: BeamSearchParams, *args: Any, **kwargs: Any) -> NoReturn:
+        """vLLM's ``LLM.beam_search``: refused, naming what is missing."""
+        raise NotImplementedError("LLM.beam_search: beam search is not supported: modserve samples each "
+                                  "sequence on its own (no beams, no length_penalty); use generate() with n > 1")
+
+    def _token_text(self) -> Decode:
+        """One token id's text alone, as vLLM's ``decoded_token`` (``tokenizer.decode([id])``);
+        cached for one call: the top-N lists repeat tokens."""
+        hf = self.engine.tokenizer.hf
+        return lru_cache(maxsize=None)(lambda token_id: hf.decode([token_id]))
+
+    def _with_bad_words_tokenized(self, params: list[SamplingParams]) -> list[SamplingParams]:
+        """``params`` with bad_words tokenized, each one that has them a copy (once per object):
+        the caller's SamplingParams stay as they were."""
+        tok, copies = self.engine.tokenizer, {}
+        for p in params:
+            if p.bad_words and p.bad_words_token_ids is None and id(p) not in copies:
+                copies[id(p)] = p.clone()
+                tokenize_bad_words(copies[id(p)], lambda text: tok.encode(text, add_special_tokens=False))
+        return [copies.get(id(p), p) for p in params]
 
     def _run(self, order: dict[str, int], use_tqdm: bool) -> list[RequestOutput]:
         results: list[RequestOutput | None] = [None] * len(order)

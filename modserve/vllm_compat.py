@@ -103,7 +103,7 @@ def _speculative(data: dict[str, Any], value: Any) -> None:
     if isinstance(value, str):  # the JSON of --speculative-config, or YAML
         import yaml
 
-        from modserve.core.config import yaml_error
+        from modserve.config_files import yaml_error
 
         try:
             value = yaml.safe_load(value)
@@ -151,6 +151,29 @@ def _kv_cache_dtype(value: Any) -> Any:
     return value
 
 
+HUMAN_INT = re.compile(r"(\d+(?:\.\d+)?)([kmgtKMGT]?)")
+DECIMAL_SUFFIXES = {"k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
+BINARY_SUFFIXES = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+
+
+def human_readable_int(value: Any) -> Any:
+    """vLLM's rule for ``--max-model-len 32k``: a lowercase suffix is decimal and may follow a
+    fraction (``25.6k`` = 25600), an uppercase one binary and may not (``32K`` = 32768).
+    Anything else is returned as it is, for the config's own check."""
+    match = HUMAN_INT.fullmatch(value.strip()) if isinstance(value, str) else None
+    if match is None:
+        return value
+    number, suffix = match.groups()
+    if suffix in DECIMAL_SUFFIXES:
+        return int(float(number) * DECIMAL_SUFFIXES[suffix])
+    if "." in number:
+        if not suffix:
+            return value
+        raise ValueError(f"{value!r}: a fraction takes a decimal suffix ({number}{suffix.lower()}), "
+                         f"not the binary {suffix}")
+    return int(number) * BINARY_SUFFIXES.get(suffix, 1)
+
+
 HUB_ID = re.compile(r"[\w.-]+/[\w.-]+")
 
 
@@ -172,6 +195,8 @@ VALUES: dict[str, Callable[[Any], Any]] = {
     "dtype": lambda v: {"half": "float16", "float": "float32"}.get(v, v) if isinstance(v, str) else v,
     "kv_cache_dtype": _kv_cache_dtype,
     "model": _model,
+    "max_model_len": human_readable_int,  # the integers vLLM's CLI reads with a suffix
+    "max_num_batched_tokens": human_readable_int,
 }
 
 
@@ -197,8 +222,8 @@ VLLM_OPTIONS: tuple[VllmOption, ...] = (
     VllmOption("swap_space", "mapped", "swap_space_gb (used with preemption_mode: swap)", _FLOAT,
                _rename("swap_space_gb")),
     VllmOption("num_gpu_blocks_override", "mapped", "num_kv_blocks", _INT, _rename("num_kv_blocks")),
-    VllmOption("kv_cache_memory_bytes", "mapped", "kv_cache_memory_gb (bytes / 2**30)", _INT,
-               _rename("kv_cache_memory_gb", lambda v: v / 2**30)),
+    VllmOption("kv_cache_memory_bytes", "mapped", "kv_cache_memory_gb (bytes / 2**30)", {"metavar": "INT"},
+               _rename("kv_cache_memory_gb", lambda v: human_readable_int(v) / 2**30)),
     VllmOption("enforce_eager", "mapped", "compile: off, cuda_graph_sizes: []", _BOOL, _enforce_eager),
     VllmOption("speculative_config", "mapped",
                "speculative: method ngram (prompt_lookup_max/min -> max_ngram/min_ngram) or draft_model "

@@ -148,9 +148,9 @@ class Hostile:
 
     def _slow_reader_blocking(self, tally: HostileTally) -> None:
         host, port = self.url.removeprefix("http://").rsplit(":", 1)
-        # 4 samples up to the context's end, each token with its top 5: megabytes at
-        # max_model_len 1024, more than the socket buffers hold.
-        body = json.dumps({"model": self.model, "prompt": "read me slowly", "max_tokens": 100000, "logprobs": 5,
+        # 4 samples up to the context's end (max_tokens null), each token with its top 5:
+        # megabytes at max_model_len 1024, more than the socket buffers hold.
+        body = json.dumps({"model": self.model, "prompt": "read me slowly", "max_tokens": None, "logprobs": 5,
                            "n": min(4, self.max_num_seqs),
                            "stream": True, "ignore_eos": True, "temperature": 1.0}).encode()
         s = socket.socket()

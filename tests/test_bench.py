@@ -16,7 +16,6 @@ import time
 import types
 from pathlib import Path
 
-import httpx
 import numpy as np
 import pytest
 import uvicorn
@@ -29,6 +28,7 @@ from modserve.bench.workloads import BenchRequest
 from modserve.cli import main
 from modserve.core.hookspecs import hookimpl
 from modserve.core.registry import get_registry
+from server_process import launch, stop, wait_healthy
 
 POOL = np.arange(3, 4096)
 
@@ -372,14 +372,16 @@ def _free_port() -> int:
 def _fake_server(delay: float = 0.002):
     """A minimal OpenAI-style SSE server: one chunk per token, ``delay`` s apart; 'fail' prompts get a 500."""
     app = FastAPI()
-    state = {"in_flight": 0, "max_in_flight": 0, "bodies": [], "times": []}
+    state = {"in_flight": 0, "max_in_flight": 0, "bodies": [], "times": [], "headers": []}
 
     @app.get("/v1/models")
-    async def models():
+    async def models(request: Request):
+        state["headers"].append(dict(request.headers))
         return {"object": "list", "data": [{"id": "fake-model", "object": "model"}]}
 
     @app.post("/v1/completions")
     async def completions(request: Request):
+        state["headers"].append(dict(request.headers))
         body = await request.json()
         state["bodies"].append(body)
         state["times"].append(time.monotonic())
@@ -464,35 +466,143 @@ def test_serve_client_against_fake_server(fake_server):
     assert result["tpot_ms"]["mean"] > 0 and result["e2el_ms"]["p99"] >= result["ttft_ms"]["p99"]
 
 
-def test_bench_serve_against_live_modserve(llama_dir, tmp_path, capsys):
-    port = _free_port()
-    log = open(tmp_path / "server.log", "w")
-    proc = subprocess.Popen([sys.executable, "-m", "modserve", "--log-level", "warning", "serve", "--port",
-                             str(port), "--model", llama_dir, "--num-kv-blocks", "256", "--dtype", "float32", "--num-threads", "1"],
-                            stdout=log, stderr=subprocess.STDOUT, env=os.environ.copy())
-    url = f"http://127.0.0.1:{port}"
+def test_bench_serve_against_live_modserve(llama_dir, tmp_path, capsys, monkeypatch):
+    """A server that wants an API key takes the bench's requests with $OPENAI_API_KEY (as
+    vLLM's bench sends it); one run by default; vLLM's keys agree with modserve's figures."""
+    server = launch(tmp_path, "bench-serve", "--model", llama_dir, "--num-kv-blocks", "256", "--dtype", "float32",
+                    "--num-threads", "1", env={"MODSERVE_API_KEY": "sk-bench"})
+    bench = ["bench", "serve", "--base-url", server.url, "--tokenizer", llama_dir, "--workload", "random",
+             "--input-len", "24", "--output-len", "6"]
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                if httpx.get(url + "/v1/models", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "server.log").read_text()
-            time.sleep(0.2)
+        wait_healthy(server, timeout=60)
+        monkeypatch.delenv("OPENAI_API_KEY", raising=False)
+        assert main([*bench, "--num-prompts", "1"]) == 2
+        assert "401" in capsys.readouterr().err
+        monkeypatch.setenv("OPENAI_API_KEY", "sk-bench")
         result_json = tmp_path / "serve.json"
-        rc = main(["bench", "serve", "--base-url", url, "--tokenizer", llama_dir, "--workload", "random",
-                   "--num-prompts", "6", "--input-len", "24", "--output-len", "6", "--request-rate", "20",
-                   "--max-concurrency", "4", "--repeats", "1", "--goodput", "ttft:60000", "tpot:60000",
-                   "--result-json", str(result_json)])
+        rc = main([*bench, "--num-prompts", "6", "--request-rate", "20", "--max-concurrency", "4",
+                   "--goodput", "ttft:60000", "tpot:60000", "--result-json", str(result_json)])
     finally:
-        proc.terminate()
-        proc.wait(10)
-        log.close()
+        stop(server)
     assert rc == 0
     out = capsys.readouterr().out
-    assert "goodput req/s" in out and "completed 6, failed 0" in out
-    run = json.loads(result_json.read_text())["runs"][0]
+    assert "goodput req/s" in out and "completed 6, failed 0" in out and "over 1 runs" in out
+    saved = json.loads(result_json.read_text())
+    [run] = saved["runs"]
     assert run["total_output_tokens"] == 36 and run["total_input_tokens"] == 6 * 24  # token-id prompts
     assert run["goodput"] == pytest.approx(run["request_throughput"])
+    # vLLM's flat keys, beside modserve's own figures
+    assert (saved["completed"], saved["failed"], saved["total_output_tokens"], saved["total_input_tokens"]) == \
+        (6, 0, 36, 144)
+    assert saved["duration"] == run["duration_s"] and saved["request_goodput"] == run["goodput"]
+    assert saved["output_throughput"] == pytest.approx(36 / saved["duration"])
+    assert saved["total_token_throughput"] == pytest.approx(180 / saved["duration"])
+    for name in ("ttft", "tpot", "itl", "e2el"):
+        assert saved[f"mean_{name}_ms"] == pytest.approx(run[f"{name}_ms"]["mean"])
+        assert saved[f"median_{name}_ms"] == pytest.approx(run[f"{name}_ms"]["median"])
+    assert saved["std_ttft_ms"] == pytest.approx(np.std([r["ttft"] * 1e3 for r in run["requests"]]))
+    assert [saved[f"p99_{name}_ms"] for name in ("ttft", "tpot", "itl")] == \
+        pytest.approx([run[f"{name}_ms"]["p99"] for name in ("ttft", "tpot", "itl")])
+    assert "p99_e2el_ms" not in saved  # vLLM's default --percentile-metrics: ttft,tpot,itl
+
+
+# -- vLLM's bench flags ------------------------------------------------------------------------------------
+def test_vllm_bench_flags_parse(capsys):
+    from modserve.bench.cli import serve_repeats
+    from modserve.cli import build_parser
+
+    parser = build_parser()
+    a = parser.parse_args(["bench", "serve"])
+    assert (a.header, a.percentile_metrics, a.metric_percentiles, serve_repeats(a)) == \
+        ([], ["ttft", "tpot", "itl"], [99.0], 1)  # vLLM's defaults: one run
+    a = parser.parse_args(["bench", "serve", "--baseline-url", "http://b", "--header", "a=1", "b=2", "--header", "c=3",
+                           "--percentile-metrics", "e2el,itl", "--metric-percentiles", "50,99.9"])
+    assert (a.header, a.percentile_metrics, a.metric_percentiles, serve_repeats(a)) == \
+        (["a=1", "b=2", "c=3"], ["e2el", "itl"], [50.0, 99.9], 3)  # an A/B: 3 interleaved pairs
+    assert serve_repeats(parser.parse_args(["bench", "serve", "--num-iters", "2"])) == 2
+    for flag, value in (("--percentile-metrics", "ttft,speed"), ("--metric-percentiles", "101"),
+                        ("--metric-percentiles", "p99")):
+        with pytest.raises(SystemExit):
+            parser.parse_args(["bench", "serve", flag, value])
+        assert "a comma list" in capsys.readouterr().err
+    assert parser.parse_args(["bench", "latency", "--batch-size", "8"]).batch_size == 8
+    assert parser.parse_args(["bench", "throughput", "--n", "4"]).n == 4
+
+    assert serve_client.request_headers([], "sk-env") == {"Authorization": "Bearer sk-env"}
+    assert serve_client.request_headers([], None) == {}
+    assert serve_client.request_headers(["X-A = 1", "authorization=Bearer other"], "sk-env") == \
+        {"X-A": "1", "authorization": "Bearer other"}  # a header of the same name replaces the key's
+    with pytest.raises(ValueError, match="KEY=VALUE"):
+        serve_client.request_headers(["X-A"], None)
+
+
+def test_vllm_latency_keys_by_hand():
+    assert (metrics.percentile_word(99.0), metrics.percentile_word(99.9)) == ("99", "99.9")
+    keys = metrics.latency_keys({"ttft": [0.010, 0.020, 0.030, 0.100], "tpot": [], "itl": [0.001]},
+                                ["ttft", "tpot"], [50, 99.9])
+    assert keys == pytest.approx({
+        "mean_ttft_ms": 40.0, "median_ttft_ms": 25.0, "std_ttft_ms": math.sqrt(1250), "p50_ttft_ms": 25.0,
+        "p99.9_ttft_ms": 30 + 0.997 * 70,  # between the 3rd and 4th of 4
+        **{f"{stat}_tpot_ms": 0.0 for stat in ("mean", "median", "std", "p50", "p99.9")},  # none: 0, as vLLM
+        "mean_itl_ms": 1.0, "median_itl_ms": 1.0, "std_itl_ms": 0.0})  # not chosen: no percentiles
+    runs = [{"duration": d, "completed": 4, "request_goodput": None, "mean_ttft_ms": m, "ttft_ms": {"mean": m},
+             "slos_ms": {}, "model": "x"} for d, m in ((1.0, 10.0), (3.0, 30.0), (2.0, 50.0))]
+    assert serve_client.vllm_result(runs) == {"duration": 2.0, "completed": 4.0, "request_goodput": None,
+                                              "mean_ttft_ms": 30.0}  # medians over the runs
+    assert serve_client.vllm_result(runs[:1]) == {"duration": 1.0, "completed": 4, "request_goodput": None,
+                                                  "mean_ttft_ms": 10.0}
+
+
+def test_bench_serve_sends_headers_and_saves_chosen_percentiles(fake_server, tmp_path, capsys, monkeypatch):
+    url, state = fake_server
+    monkeypatch.setenv("OPENAI_API_KEY", "sk-test")
+    path = tmp_path / "serve.json"
+    rc = main(["bench", "serve", "--base-url", url, "--num-prompts", "4", "--output-len", "3", "--warmups", "0",
+               "--header", "X-Trace=abc", "--header", "x-tenant=t1", "x-more = 2",
+               "--percentile-metrics", "ttft,e2el", "--metric-percentiles", "50,99.9", "--result-json", str(path)])
+    assert rc == 0
+    assert len(state["headers"]) == 1 + 4  # /v1/models, then every request
+    assert all((h["authorization"], h["x-trace"], h["x-tenant"], h["x-more"]) == ("Bearer sk-test", "abc", "t1", "2")
+               for h in state["headers"])
+    out = capsys.readouterr().out
+    assert "| TTFT p99.9 ms" in out and "| E2EL p50 ms" in out and "| TPOT" not in out and "| ITL" not in out
+    saved = json.loads(path.read_text())
+    [run] = saved["runs"]
+    e2el = [r["e2el"] * 1e3 for r in run["requests"]]
+    assert saved["p50_e2el_ms"] == pytest.approx(saved["median_e2el_ms"]) and saved["median_e2el_ms"] > 0
+    assert saved["p99.9_e2el_ms"] == pytest.approx(np.percentile(e2el, 99.9))
+    assert saved["p50_ttft_ms"] == pytest.approx(run["ttft_ms"]["median"])
+    assert "mean_tpot_ms" in saved and not any(k.startswith("p") and k.endswith(("_tpot_ms", "_itl_ms")) for k in saved)
+
+
+def test_bench_latency_batch_size_saves_vllms_keys(llama_dir, tmp_path, capsys, monkeypatch):
+    from modserve.bench import offline
+
+    assert main(["bench", "latency", "--model", llama_dir, "--batch-size", "2", "--baseline", "vllm"]) == 2
+    assert "times modserve only" in capsys.readouterr().err
+    sizes, real_run = [], offline.EngineRunner.run
+    monkeypatch.setattr(offline.EngineRunner, "run", lambda self, reqs: sizes.append(len(reqs)) or real_run(self, reqs))
+    path = tmp_path / "latency.json"
+    rc = main(["bench", "latency", "--model", llama_dir, "--num-kv-blocks", "128", "--input-len", "8",
+               "--output-len", "3", "--batch-size", "3", "--repeats", "2", "--threads", "1", "--output-json", str(path)])
+    assert rc == 0
+    assert sizes == [3, 3, 3]  # the warm-up, then two timed batches of 3
+    assert "a batch of 3" in capsys.readouterr().out
+    saved = json.loads(path.read_text())
+    assert saved["latencies"] == pytest.approx([r["E2E ms"] / 1e3 for r in saved["runs"]])
+    assert saved["avg_latency"] == pytest.approx(np.mean(saved["latencies"]))
+    assert saved["std_latency"] == pytest.approx(np.std(saved["latencies"]))
+    assert list(saved["percentiles"]) == ["10", "25", "50", "75", "90", "99"]
+
+
+def test_bench_throughput_n_sequences_per_prompt(llama_dir, tmp_path, capsys):
+    assert main(["bench", "throughput", "--model", llama_dir, "--n", "2", "--baseline", "hf"]) == 2
+    assert "runs modserve only" in capsys.readouterr().err
+    path = tmp_path / "throughput.json"
+    rc = main(["bench", "throughput", "--model", llama_dir, "--num-kv-blocks", "256", "--num-prompts", "3",
+               "--output-len", "4", "--n", "2", "--repeats", "1", "--threads", "1", "--hardware", "h100",
+               "--output-json", str(path)])
+    assert rc == 0
+    [run] = json.loads(path.read_text())["modserve"]
+    assert run["output tok/s"] * run["wall s"] == pytest.approx(3 * 2 * 4)  # every sample's tokens
+    assert run["req/s"] * run["wall s"] == pytest.approx(3)

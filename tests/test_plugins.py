@@ -11,6 +11,7 @@ import types
 import pytest
 
 from modserve import LLM, SamplingParams
+from modserve.config_files import config_from_file
 from modserve.core.config import EngineConfig
 from modserve.core.hookspecs import hookimpl
 from modserve.core.registry import PluginError, Registry, get_registry
@@ -157,11 +158,11 @@ def test_config_errors_name_the_key(llama_dir, tmp_path):
         EngineConfig.from_dict({"model": llama_dir, "block_size": 0})
     toml = tmp_path / "c.toml"
     toml.write_text(f'model = "{llama_dir}"\nmax_num_seqs = 3\n[scheduler]\nname = "fcfs"\n')
-    cfg = EngineConfig.from_file(toml, max_num_seqs=5)
+    cfg = config_from_file(toml, max_num_seqs=5)
     assert cfg.max_num_seqs == 5 and cfg.scheduler.name == "fcfs"
     yml = tmp_path / "c.yaml"
     yml.write_text(f"model: {llama_dir}\nattention_backend: {{name: reference}}\n")
-    assert EngineConfig.from_file(yml).attention_backend.name == "reference"
+    assert config_from_file(yml).attention_backend.name == "reference"
 
 
 def test_plugins_command_json():

@@ -227,14 +227,17 @@ def test_duplicate_keys_are_found_at_any_depth():
     assert e.value.key == "x"
 
 
-@pytest.mark.parametrize("path, fields", [
-    ("/v1/chat/completions", {"min_tokens": MAX_MODEL_LEN}),
-    ("/v1/completions", {"min_tokens": MAX_MODEL_LEN, "max_tokens": None}),
-    ("/v1/completions", {"min_tokens": MAX_MODEL_LEN - 1, "max_tokens": MAX_MODEL_LEN}),
+@pytest.mark.parametrize("path, fields, param, says", [
+    ("/v1/chat/completions", {"min_tokens": MAX_MODEL_LEN}, "min_tokens", f"max_model_len={MAX_MODEL_LEN}"),
+    ("/v1/completions", {"min_tokens": MAX_MODEL_LEN, "max_tokens": None}, "min_tokens",
+     f"max_model_len={MAX_MODEL_LEN}"),
+    # max_tokens past the context is refused first, as vLLM does: min_tokens is at most max_tokens
+    ("/v1/completions", {"min_tokens": MAX_MODEL_LEN - 1, "max_tokens": MAX_MODEL_LEN}, "max_tokens",
+     f"maximum context length is {MAX_MODEL_LEN} tokens"),
 ])
-def test_min_tokens_must_fit_what_the_prompt_leaves(server, path, fields):
+def test_min_tokens_must_fit_what_the_prompt_leaves(server, path, fields, param, says):
     body = {"messages": CHAT} if path.endswith("chat/completions") else {"prompt": "hello"}
-    _error(post(server, path, {**body, **fields}), "min_tokens", f"max_model_len={MAX_MODEL_LEN}")
+    _error(post(server, path, {**body, **fields}), param, says)
     r = post(server, path, {**body, **fields, "min_tokens": 2, "max_tokens": 3})
     assert r.status_code == 200, r.text
 

@@ -14,6 +14,7 @@ import pytest
 
 from modserve import cli
 from modserve import vllm_compat
+from modserve.config_files import config_from_file
 from modserve.core.config import EngineConfig
 from modserve.core.hookspecs import hookimpl
 from modserve.core.registry import get_registry
@@ -153,7 +154,7 @@ def test_booleans_are_on_and_off(llama_dir, tmp_path):
     assert (config.compile, config.prepack_weights) == ("off", "on")
     path = tmp_path / "c.yaml"
     path.write_text(f"model: {llama_dir}\ncompile: on\nprepack_weights: false\n")
-    config = EngineConfig.from_file(path)
+    config = config_from_file(path)
     assert (config.compile, config.prepack_weights) == ("on", "off")
     with pytest.raises(ValueError, match=r"compile: Input should be 'auto', 'on' or 'off' \(got 'of'\)"):
         EngineConfig.from_dict({"model": llama_dir, "compile": "of"})

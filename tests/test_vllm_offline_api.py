@@ -114,3 +114,46 @@ def test_get_tokenizer_is_the_hugging_face_tokenizer(llm):
     assert tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True) == "<<user>>Hi\n<<assistant>>"
     assert tok(TEXT)["input_ids"] == llm.engine.tokenizer.encode(TEXT)
     assert tok.eos_token_id in llm.engine.tokenizer.eos_token_ids
+
+
+def test_logprobs_come_in_vllms_shape(llm):
+    """``logprobs[i][token_id]`` is a Logprob (logprob, rank, decoded_token): the sampled token
+    and the top N with ranks 1..N; prompt_logprobs alike, the first None."""
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logprobs=2, prompt_logprobs=1)
+    out = llm.generate(TEXT, params, use_tqdm=False)[0]
+    c, tok = out.outputs[0], llm.get_tokenizer()
+    assert len(c.logprobs) == len(c.token_ids) == 4
+    for token_id, position in zip(c.token_ids, c.logprobs):
+        sampled = position[token_id]
+        assert sampled.rank == 1  # greedy
+        assert sampled.decoded_token == tok.decode([token_id])
+        assert sorted(lp.rank for lp in position.values()) == [1, 2] and 2 <= len(position) <= 3
+        assert position["logprob"] == sampled.logprob  # modserve's own entry keys still answer
+    assert c.cumulative_logprob == pytest.approx(sum(p[t].logprob for t, p in zip(c.token_ids, c.logprobs)))
+    prompt = out.prompt_logprobs
+    assert prompt[0] is None and len(prompt) == len(out.prompt_token_ids)
+    second = prompt[1][out.prompt_token_ids[1]]
+    assert second.logprob <= 0 and second.rank >= 1 and second.decoded_token == tok.decode([out.prompt_token_ids[1]])
+
+
+def test_detokenize_false_gives_token_ids_only(llm):
+    plain = llm.generate(TEXT, GREEDY, use_tqdm=False)[0].outputs[0]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, detokenize=False, logprobs=1)
+    c = llm.generate(TEXT, params, use_tqdm=False)[0].outputs[0]
+    assert (c.text, c.token_ids) == ("", plain.token_ids) and plain.text
+    assert all(p[t].decoded_token is None for t, p in zip(c.token_ids, c.logprobs))
+    with pytest.raises(ValueError, match="stop needs detokenize=True"):  # as vLLM: stop strings need text
+        SamplingParams(detokenize=False, stop=["."])
+
+
+def test_spaces_between_special_tokens_is_accepted_where_it_changes_nothing():
+    assert SamplingParams(spaces_between_special_tokens=False).spaces_between_special_tokens is False
+    with pytest.raises(ValueError, match="spaces_between_special_tokens must be true with skip_special_tokens"):
+        SamplingParams(spaces_between_special_tokens=False, skip_special_tokens=False)
+
+
+def test_beam_search_is_refused_by_name(llm):
+    from modserve.sampling_params import BeamSearchParams
+
+    with pytest.raises(NotImplementedError, match="beam search is not supported"):
+        llm.beam_search([{"prompt": TEXT}], BeamSearchParams(beam_width=2, max_tokens=4))

@@ -4,10 +4,12 @@ local path never shows as the model's name, and the loopback-only default is sai
 
 from __future__ import annotations
 
+import json
 import logging
 from pathlib import Path
 
 import httpx
+import openai
 import pytest
 
 from modserve import vllm_compat
@@ -100,3 +102,90 @@ def test_a_vllm_config_files_access_log_key_reaches_the_server(llama_dir, tmp_pa
     args = cli.build_parser().parse_args(["serve", "--config", str(path)])
     cli.config_from_args(args)
     assert args.vllm_disable_uvicorn_access_log is True
+
+
+def _completion(server: Server, **kwargs) -> openai.types.Completion:
+    client = server.client(KEY)
+    return client.completions.create(model=client.models.list().data[0].id, prompt="The old castle",
+                                     temperature=0, **kwargs)
+
+
+def test_min_tokens_holds_back_stop_strings(server):
+    """As vLLM: no stop string ends the first min_tokens tokens; the text after them is searched."""
+    first3 = _completion(server, max_tokens=3).choices[0].text
+    stop = next(c for c in first3 if not c.isspace())  # a character the first tokens hold
+    stopped = _completion(server, max_tokens=12, stop=[stop]).choices[0]
+    assert stop not in stopped.text and stopped.finish_reason == "stop"
+    held = _completion(server, max_tokens=12, stop=[stop], extra_body={"min_tokens": 3}).choices[0]
+    assert held.text.startswith(first3) and len(held.text) > len(stopped.text)
+    assert stop not in held.text[len(first3):]  # cut at the first stop after the third token
+
+
+@pytest.mark.parametrize("field", ["max_tokens", "max_completion_tokens"])
+def test_max_tokens_past_the_context_is_refused_as_vllm_does(server, field):
+    client = server.client(KEY)
+    model = client.models.list().data[0].id
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Hi"}], **{field: 200})
+    assert refused.value.body["param"] == field
+    assert "is too large: 200. This model's maximum context length is 128 tokens" in refused.value.message
+    with pytest.raises(openai.BadRequestError) as refused:
+        _completion(server, max_tokens=126)  # 126 + the prompt's tokens > 128
+    assert refused.value.body["param"] == "max_tokens"
+    assert _completion(server, max_tokens=8).choices[0].finish_reason == "length"  # within the context: served
+
+
+def _stream_chunks(server: Server, path: str, body: dict) -> list[dict]:
+    """Every data chunk of a streamed response, [DONE] left out."""
+    chunks = []
+    with httpx.stream("POST", f"{server.url}/v1/{path}", json={**body, "stream": True}, timeout=30,
+                      headers={"Authorization": f"Bearer {KEY}"}) as r:
+        assert r.status_code == 200, r.read()
+        for line in r.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                chunks.append(json.loads(line[len("data: "):]))
+    return chunks
+
+
+@pytest.mark.parametrize("path, body", [
+    ("completions", {"prompt": "The old castle"}),
+    ("chat/completions", {"messages": [{"role": "user", "content": "Hi"}]}),
+])
+def test_continuous_usage_stats_puts_the_usage_so_far_in_every_chunk(server, path, body):
+    body = {**body, "max_tokens": 5, "temperature": 0, "ignore_eos": True}
+    chunks = _stream_chunks(server, path, {**body, "stream_options": {"include_usage": True,
+                                                                      "continuous_usage_stats": True}})
+    usages = [c["usage"] for c in chunks]
+    assert all(u is not None for u in usages) and chunks[-1]["choices"] == []
+    counts = [u["completion_tokens"] for u in usages]
+    assert counts == sorted(counts) and counts[-1] == 5
+    assert all(u["total_tokens"] == u["prompt_tokens"] + u["completion_tokens"] for u in usages)
+    # include_usage alone: only the last chunk has it
+    plain = _stream_chunks(server, path, {**body, "stream_options": {"include_usage": True}})
+    assert [c.get("usage") is not None for c in plain] == [False] * (len(plain) - 1) + [True]
+
+
+def test_spaces_between_special_tokens_request_field(server):
+    ok = _completion(server, max_tokens=2, extra_body={"spaces_between_special_tokens": False})
+    assert ok.choices[0].text
+    with pytest.raises(openai.BadRequestError) as refused:
+        _completion(server, max_tokens=2, extra_body={"spaces_between_special_tokens": False,
+                                                      "skip_special_tokens": False})
+    assert refused.value.body["param"] == "spaces_between_special_tokens"
+
+
+@pytest.mark.parametrize("text, value", [("32k", 32000), ("32K", 32768), ("25.6k", 25600), ("1M", 2**20),
+                                         ("2g", 2 * 10**9), ("4096", 4096), (4096, 4096)])
+def test_human_readable_ints_follow_vllms_rule(text, value):
+    assert vllm_compat.human_readable_int(text) == value
+
+
+def test_max_model_len_with_a_suffix_and_max_logprobs_on_the_command_line(llama_dir):
+    from modserve import cli
+
+    with pytest.raises(ValueError, match="a fraction takes a decimal suffix"):
+        vllm_compat.human_readable_int("1.5K")
+    args = cli.build_parser().parse_args(["serve", llama_dir, "--max-model-len", "1k", "--max-logprobs", "7",
+                                          "--max-num-batched-tokens", "1K"])
+    config = cli.config_from_args(args)
+    assert (config.max_model_len, config.max_logprobs, config.max_num_batched_tokens) == (1000, 7, 1024)

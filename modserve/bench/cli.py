@@ -9,6 +9,7 @@ import argparse
 import json
 import logging
 import math
+import os
 import platform
 import sys
 import time
@@ -16,7 +17,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from modserve.bench.collectives import parse_bytes
-from modserve.bench.metrics import Spread, ratio_spread
+from modserve.bench.metrics import Spread, parse_metric_percentiles, parse_percentile_metrics, ratio_spread
 from modserve.bench.pinning import add_pinning_flags, pin
 from modserve.bench.plan import INTERCONNECTS
 from modserve.bench.workloads import add_workload_flags
@@ -37,6 +38,9 @@ def add_parsers(sub: Any) -> None:
     p.add_argument("--baseline", nargs="+", choices=["hf", "vllm"], default=[],
                    help="also run these, interleaved: transformers generate (hf), an installed vLLM (vllm)")
     p.add_argument("--hf-batch-size", type=int, default=16, help="static batch size of the hf baseline")
+    p.add_argument("--n", type=int, default=1,
+                   help="vLLM's: sequences per prompt, sampled at temperature 1 as vLLM's (default 1: greedy); "
+                        "output tok/s counts them all")
     p.add_argument("--hardware", choices=HARDWARE_CHOICES, default=None,
                    help="for the compute ceiling (default: cpu, measured, when the device is the CPU)")
     _add_vllm_flags(p)
@@ -47,6 +51,9 @@ def add_parsers(sub: Any) -> None:
     add_config_flags(p)
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=64)
+    p.add_argument("--batch-size", type=int, default=1,
+                   help="vLLM's: requests generated at once per run, the latency being the batch's "
+                        "(default 1, a single stream; vLLM's is 8)")
     p.add_argument("--hardware", choices=HARDWARE_CHOICES, default=None,
                    help="for the decode ceiling (default: cpu, measured, when the device is the CPU)")
     p.add_argument("--baseline", choices=["vllm", "llama.cpp"],
@@ -81,7 +88,19 @@ def add_parsers(sub: Any) -> None:
                    help="SLOs a request must meet to count towards goodput: ttft:MS tpot:MS e2el:MS")
     p.add_argument("--seed", type=int, default=0, help="seed of the arrival times")
     p.add_argument("--request-timeout", type=float, default=600.0)
-    add_pinning_flags(p, warmups="warm-up requests sent (one at a time) before each timed run")
+    g = p.add_argument_group("vLLM's bench serve flags")
+    g.add_argument("--header", action="extend", nargs="*", default=[], metavar="KEY=VALUE",
+                   help="extra HTTP headers on every request; $OPENAI_API_KEY, when set, goes as "
+                        "'Authorization: Bearer KEY' (a --header Authorization=... replaces it)")
+    g.add_argument("--percentile-metrics", type=parse_percentile_metrics, default="ttft,tpot,itl",
+                   help="comma list of ttft, tpot, itl, e2el: the metrics whose percentiles are reported "
+                        "(default: ttft,tpot,itl, as vLLM's)")
+    g.add_argument("--metric-percentiles", type=parse_metric_percentiles, default="99",
+                   help="comma list of percentiles reported for them, e.g. 50,90,99 (default: 99)")
+    add_pinning_flags(p, warmups="warm-up requests sent (one at a time) before each timed run",
+                      repeats="timed runs (default: 1, as vLLM's; with --baseline-url 3 interleaved pairs); "
+                              "figures are median [min-max]")
+    p.set_defaults(repeats=None)
     add_output_flags(p, "the full result (every request's timings)")
     p.add_argument("--baseline-url", help="a second server (vLLM, say) run interleaved with the first, "
                    "the same workload and arrivals: both columns, their ratio, and latency CDFs in a PNG")
@@ -294,11 +313,16 @@ def cmd_throughput(args: argparse.Namespace) -> int:
     from modserve.bench.vllm_baseline import VLLMUnavailable
     from modserve.bench.workloads import load_workload, tokenize
 
+    if args.n < 1:
+        raise ValueError(f"--n must be at least 1, got {args.n}")
+    if args.n > 1 and args.baseline:
+        raise ValueError(f"--n {args.n} runs modserve only: the {' and '.join(args.baseline)} baseline here "
+                         f"generates one greedy sequence per prompt; drop --baseline, or --n")
     pinning = pin(args)
     llm = _engine(args)
     tok = llm.get_tokenizer()
     requests = tokenize(load_workload(args, tok), tok)
-    runners: list[Any] = [EngineRunner(llm)]
+    runners: list[Any] = [EngineRunner(llm, n=args.n)]
     try:
         if "vllm" in args.baseline:  # first: a missing vLLM should fail before the hf model loads
             runners.append(_vllm_runner(args, llm, max(r.prompt_len + r.output_len for r in requests)))
@@ -317,6 +341,8 @@ def cmd_throughput(args: argparse.Namespace) -> int:
     figures = {name: [r.figures() for r in rs] for name, rs in runs.items()}
     print("\n".join(_header(llm, pinning) + [r.describe() for r in runners if hasattr(r, "describe")]
                     + [_workload_line(args, requests)]))
+    if args.n > 1:
+        print(f"--n {args.n}: {args.n} sequences per prompt, sampled at temperature 1 (not greedy)")
     print(f"median [min-max] over {args.repeats} repeats" + (", interleaved" if len(runners) > 1 else ""))
     print(spread_table(figures))
     for runner in runners[1:]:
@@ -326,7 +352,7 @@ def cmd_throughput(args: argparse.Namespace) -> int:
     if load := llm.expert_load():
         print("\n".join(expert_load_lines(load)))
         figures["expert_load"] = expert_load_figures(load)  # type: ignore[assignment]
-    if ceiling := _compute_ceiling(args, llm, [(r.prompt_len, r.output_len) for r in requests],
+    if ceiling := _compute_ceiling(args, llm, [(r.prompt_len, r.output_len * args.n) for r in requests],
                                    Spread.of([r["wall s"] for r in figures["modserve"]]).median):
         hw_name, fraction = ceiling
         print(fraction.line(hw_name, "modserve (median run)"))
@@ -383,13 +409,18 @@ def expert_load_lines(load: dict[int, list[int]]) -> list[str]:
 
 
 def cmd_latency(args: argparse.Namespace) -> int:
-    from modserve.bench.offline import single_stream
+    from modserve.bench.offline import single_stream, vllm_latency_keys
     from modserve.bench.plan import ModelShape, hardware, plan
     from modserve.bench.report import spread_table
     from modserve.bench.llamacpp_baseline import LlamaCppUnavailable
     from modserve.bench.roofline import compute_fraction
     from modserve.bench.vllm_baseline import VLLMUnavailable
 
+    if args.batch_size < 1:
+        raise ValueError(f"--batch-size must be at least 1, got {args.batch_size}")
+    if args.batch_size > 1 and args.baseline:
+        raise ValueError(f"--batch-size {args.batch_size} times modserve only: the {args.baseline} baseline "
+                         f"here times one stream; drop --baseline, or --batch-size")
     pinning = pin(args)
     llm = _engine(args)
     baselines: list[Any] = []
@@ -399,7 +430,7 @@ def cmd_latency(args: argparse.Namespace) -> int:
         elif args.baseline == "llama.cpp":
             baselines.append(_llamacpp_runner(args, llm))
         all_runs = single_stream(llm, args.input_len, args.output_len, args.repeats, args.warmups,
-                                 baselines=baselines)
+                                 baselines=baselines, batch_size=args.batch_size)
     except (VLLMUnavailable, LlamaCppUnavailable) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -409,7 +440,9 @@ def cmd_latency(args: argparse.Namespace) -> int:
     figures = {name: [r.figures() for r in rs] for name, rs in all_runs.items()}
     runs = figures["modserve"]
     print("\n".join(_header(llm, pinning) + [b.describe() for b in baselines]))
-    print(f"single stream: {args.input_len} prompt tokens, {args.output_len} output tokens; "
+    stream = "single stream" if args.batch_size == 1 else (
+        f"a batch of {args.batch_size} (TTFT and E2E: the batch's last; decode tok/s: the batch's)")
+    print(f"{stream}: {args.input_len} prompt tokens, {args.output_len} output tokens; "
           f"median [min-max] over {args.repeats} runs" + (", interleaved" if baselines else ""))
     print(spread_table(figures, digits=2))
     for b in baselines:
@@ -420,9 +453,12 @@ def cmd_latency(args: argparse.Namespace) -> int:
             b.latency_method,
             "a 1-token run (TTFT) and the full run of the same prompt (TPOT = the difference / (output - 1))")
         print(f"{b.name} TTFT and TPOT from {how}")
-    result: dict[str, Any] = {"runs": runs, **{f"{b.name}_runs": figures[b.name] for b in baselines}}
+    result: dict[str, Any] = {**vllm_latency_keys(all_runs["modserve"]), "runs": runs,
+                              **{f"{b.name}_runs": figures[b.name] for b in baselines}}
     hw_name = args.hardware or ("cpu" if llm.config.device == "cpu" else None)
-    if hw_name:
+    if hw_name and args.batch_size > 1:  # the ceilings below are a single stream's
+        print(f"no {hw_name} ceiling: it is computed for a single stream (--batch-size 1)")
+    elif hw_name:
         dtype = _gemm_dtype(llm)
         kv_dtype = "fp8" if llm.config.kv_cache_dtype == "fp8_e4m3" else None
         shape, hw = ModelShape.load(llm.config.model), hardware(hw_name, dtype)  # the CPU's measured once
@@ -449,10 +485,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     from modserve.bench.metrics import parse_slos
     from modserve.bench.report import spread_table
-    from modserve.bench.serve_client import ServeSettings, headline, run
+    from modserve.bench.serve_client import ServeSettings, headline, request_headers, run, vllm_result
     from modserve.bench.workloads import load_workload
 
     slos = parse_slos(args.goodput)
+    headers = request_headers(args.header, os.environ.get("OPENAI_API_KEY"))
+    repeats = serve_repeats(args)
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request otherwise
     pinning = pin(args)
     tokenizer = None
@@ -468,11 +506,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
     urls = dict(zip(args.names, [base_url, args.baseline_url])) if args.baseline_url else {"server": base_url}
     model = args.served_model_name or args.model
     settings = {name: ServeSettings(url, endpoint, model, args.request_rate, args.burstiness,
-                                    args.max_concurrency, args.warmups, slos, args.seed, args.request_timeout)
+                                    args.max_concurrency, args.warmups, slos, args.seed, args.request_timeout,
+                                    headers=headers, percentile_metrics=args.percentile_metrics,
+                                    percentiles=args.metric_percentiles)
                 for name, url in urls.items()}
     results: dict[str, list[dict[str, Any]]] = {name: [] for name in urls}
     try:
-        for i in range(args.repeats):  # interleaved: A, B, A, B, ... with the same arrivals per pair
+        for i in range(repeats):  # interleaved: A, B, A, B, ... with the same arrivals per pair
             for name, s in settings.items():
                 s.seed = args.seed + i
                 results[name].append(run(s, requests))
@@ -493,8 +533,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
           (f" (first error: {_first_error(runs)})" if failed else ""))
     if slos:
         print("goodput SLOs: " + ", ".join(f"{k} <= {v * 1e3:g} ms" for k, v in slos.items()))
-    print(f"median [min-max] over {args.repeats} runs" + (", ratios per interleaved pair" if len(urls) == 2 else ""))
-    print(spread_table({name: [headline(r) for r in per_server] for name, per_server in results.items()}, digits=1))
+    print(f"median [min-max] over {repeats} runs" + (", ratios per interleaved pair" if len(urls) == 2 else ""))
+    print(spread_table({name: [headline(r, args.percentile_metrics, args.metric_percentiles) for r in per_server]
+                        for name, per_server in results.items()}, digits=1))
     if args.baseline_url:
         from modserve.bench.report import plot_compare
 
@@ -503,9 +544,17 @@ def cmd_serve(args: argparse.Namespace) -> int:
                      {name: [r["output_throughput"] for r in per_server] for name, per_server in results.items()},
                      f"bench serve: {' vs '.join(results)} on {args.model or first['model']}")
         print(f"wrote {args.plot}")
-    _write_json(output_path(args, "serve"), {name: {"runs": per_server} for name, per_server in results.items()}
-                if args.baseline_url else {"runs": results["server"]})
+    saved = {name: {**vllm_result(per_server), "runs": per_server} for name, per_server in results.items()}
+    _write_json(output_path(args, "serve"), saved if args.baseline_url else saved["server"])
     return 0 if not failed else 1
+
+
+def serve_repeats(args: argparse.Namespace) -> int:
+    """``--repeats``, else vLLM's single run; against ``--baseline-url`` 3 interleaved pairs, so
+    that the ratio has a spread."""
+    if args.repeats is not None:
+        return args.repeats
+    return 3 if args.baseline_url else 1
 
 
 def serve_latencies(runs: list[dict[str, Any]]) -> dict[str, list[float]]:
@@ -525,7 +574,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
     from modserve.bench.compare import compare, labels_for, verdict, write_report
     from modserve.bench.workloads import load_workload, tokenize
     from modserve.cli import engine_overrides, log_selection
-    from modserve.core.config import load_config_file
+    from modserve.config_files import load_config_file
     from modserve.vllm_compat import engine_config
 
     if args.min_task_accuracy_delta is not None and not args.eval_task:

@@ -5,6 +5,7 @@ Times are seconds everywhere in code; reports print milliseconds.
 
 from __future__ import annotations
 
+import argparse
 import math
 from dataclasses import dataclass, field
 from typing import Iterable, Sequence
@@ -78,6 +79,54 @@ def meets(result: RequestResult, slos: dict[str, float]) -> bool:
 def goodput(results: Sequence[RequestResult], slos: dict[str, float], duration: float) -> float:
     """Requests per second that succeeded within every SLO (all of them when ``slos`` is empty)."""
     return sum(meets(r, slos) for r in results) / duration if duration > 0 else math.nan
+
+
+# -- vLLM's percentile flags and result keys (vllm/benchmarks/serve.py) ---------------------------
+LATENCY_METRICS = ("ttft", "tpot", "itl", "e2el")
+
+
+def parse_percentile_metrics(text: str) -> list[str]:
+    """``--percentile-metrics ttft,tpot,itl``: the latency metrics whose percentiles are reported."""
+    names = [name.strip() for name in text.split(",") if name.strip()]
+    bad = [name for name in names if name not in LATENCY_METRICS]
+    if bad or not names:
+        raise argparse.ArgumentTypeError(f"{text!r}: a comma list of {', '.join(LATENCY_METRICS)}")
+    return names
+
+
+def parse_metric_percentiles(text: str) -> list[float]:
+    """``--metric-percentiles 50,90,99``: the percentiles (0..100) reported for those metrics."""
+    try:
+        values = [float(q) for q in text.split(",") if q.strip()]
+    except ValueError:
+        values = []
+    if not values or not all(0 <= q <= 100 for q in values):
+        raise argparse.ArgumentTypeError(f"{text!r}: a comma list of percentiles between 0 and 100, e.g. 50,90,99")
+    return values
+
+
+def percentile_word(q: float) -> str:
+    """A percentile as vLLM's keys spell it: 99 -> "99", 99.9 -> "99.9"."""
+    return str(int(q)) if int(q) == q else str(q)
+
+
+def latency_keys(series: dict[str, Sequence[float]], chosen: Sequence[str],
+                 percentiles: Sequence[float]) -> dict[str, float]:
+    """vLLM's flat result keys, in ms: ``mean_``, ``median_``, ``std_`` of every metric in
+    ``series`` (seconds), and ``p{q}_`` of the ``chosen`` ones: ``p99_ttft_ms``, ...
+
+    NOTE: as vLLM's, an empty series reads as [0] (std is the population's), so the file holds
+    numbers, never NaN, which strict JSON readers refuse."""
+    out: dict[str, float] = {}
+    for name, seconds in series.items():
+        values = np.asarray(seconds if len(seconds) else [0.0]) * 1e3
+        out[f"mean_{name}_ms"] = float(np.mean(values))
+        out[f"median_{name}_ms"] = float(np.median(values))
+        out[f"std_{name}_ms"] = float(np.std(values))
+        if name in chosen:
+            for q in percentiles:
+                out[f"p{percentile_word(q)}_{name}_ms"] = float(np.percentile(values, q))
+    return out
 
 
 @dataclass(frozen=True, slots=True)

@@ -52,16 +52,23 @@ class Runner(Protocol):
 
 class EngineRunner:
     """modserve: every request submitted at once, greedy, exactly ``output_len`` tokens each,
-    from an empty prefix cache."""
+    from an empty prefix cache. ``n`` above 1 (vLLM's ``--n``) samples that many sequences per
+    prompt at temperature 1, as vLLM's benchmarks do: n greedy copies would all be the same."""
 
-    def __init__(self, llm, name: str = "modserve") -> None:
+    def __init__(self, llm, name: str = "modserve", n: int = 1) -> None:
         self.llm = llm
         self.name = name
+        self.n = n
 
-    def run(self, requests: Sequence[BenchRequest]) -> Run:
+    def params(self, output_len: int) -> Any:
         from modserve import SamplingParams
 
-        params = [SamplingParams(temperature=0.0, max_tokens=r.output_len, ignore_eos=True) for r in requests]
+        if self.n == 1:
+            return SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+        return SamplingParams(n=self.n, temperature=1.0, top_p=1.0, max_tokens=output_len, ignore_eos=True)
+
+    def run(self, requests: Sequence[BenchRequest]) -> Run:
+        params = [self.params(r.output_len) for r in requests]
         self.llm.reset_prefix_cache()  # a repeat of the workload must not hit the last run's prompts
         start = time.perf_counter()
         outs = self.llm.generate([r.prompt_token_ids for r in requests], params, use_tqdm=False)
@@ -73,7 +80,7 @@ class EngineRunner:
                 prompt_len=len(req.prompt_token_ids), output_len=len(out.outputs[0].token_ids),
                 ttft=m.ttft, e2el=m.token_times[-1] - m.arrival_time, itl=m.inter_token_latencies))
         return Run(wall, sum(len(r.prompt_token_ids) for r in requests),
-                   sum(len(o.outputs[0].token_ids) for o in outs), results,
+                   sum(len(c.token_ids) for o in outs for c in o.outputs), results,  # every one of n samples
                    [list(o.outputs[0].token_ids) for o in outs])
 
 
@@ -116,28 +123,46 @@ class LatencyRun:
     ttft: float
     tpot: float
     e2el: float
+    batch: int = 1  # requests generated together (vLLM's --batch-size)
 
     def figures(self) -> dict[str, float]:
         return {"TTFT ms": self.ttft * 1e3, "TPOT ms": self.tpot * 1e3, "E2E ms": self.e2el * 1e3,
-                "decode tok/s": 1.0 / self.tpot if self.tpot else float("nan")}
+                "decode tok/s": self.batch / self.tpot if self.tpot else float("nan")}
+
+    @classmethod
+    def of_batch(cls, results: Sequence[RequestResult]) -> "LatencyRun":
+        """A batch's: TTFT when its last request had its first token, E2E when its last token
+        came (vLLM's latency of the batch), TPOT the requests' mean; one request's own figures."""
+        return cls(max(r.ttft for r in results), float(np.mean([r.tpot for r in results])),
+                   max(r.e2el for r in results), len(results))
+
+
+def vllm_latency_keys(runs: Sequence[LatencyRun]) -> dict[str, Any]:
+    """``vllm bench latency``'s result keys (seconds): each run's latency (E2E of its batch),
+    their mean, std and percentiles 10, 25, 50, 75, 90, 99."""
+    latencies = np.array([r.e2el for r in runs])
+    percentages = [10, 25, 50, 75, 90, 99]
+    return {"avg_latency": float(latencies.mean()), "std_latency": float(latencies.std()),
+            "latencies": latencies.tolist(),
+            "percentiles": dict(zip(map(str, percentages), np.percentile(latencies, percentages).tolist()))}
 
 
 def single_stream(llm, input_len: int, output_len: int, repeats: int, warmups: int = 1,
-                  seed: int = 0, baselines: Sequence[Any] = ()) -> dict[str, list[LatencyRun]]:
-    """One request at a time: ``input_len`` random prompt tokens, exactly ``output_len`` out.
-    ``baselines`` (runners with ``latency(request) -> LatencyRun``) take their turn after
-    modserve in every repeat (A B A B ...); the runs per runner name."""
+                  seed: int = 0, baselines: Sequence[Any] = (), batch_size: int = 1) -> dict[str, list[LatencyRun]]:
+    """One request at a time (``batch_size`` at once, vLLM's ``--batch-size``): ``input_len``
+    random prompt tokens each, exactly ``output_len`` out. ``baselines`` (runners with
+    ``latency(request) -> LatencyRun``, single requests only) take their turn after modserve in
+    every repeat (A B A B ...); the runs per runner name."""
     from modserve.bench.workloads import token_pool
 
     pool = token_pool(llm.get_tokenizer())
-    prompt = np.random.default_rng(seed).choice(pool, input_len).tolist()
+    rng = np.random.default_rng(seed)
+    batch = [BenchRequest(None, rng.choice(pool, input_len).tolist(), output_len) for _ in range(batch_size)]
     runner = EngineRunner(llm)
-    request = BenchRequest(None, prompt, output_len)
-    warm_up([runner, *baselines], [request], warmups)
+    warm_up([runner, *baselines], batch, warmups)
     runs: dict[str, list[LatencyRun]] = {runner.name: [], **{b.name: [] for b in baselines}}
     for _ in range(repeats):
-        r = runner.run([request]).results[0]
-        runs[runner.name].append(LatencyRun(r.ttft, r.tpot, r.e2el))
+        runs[runner.name].append(LatencyRun.of_batch(runner.run(batch).results))
         for baseline in baselines:
-            runs[baseline.name].append(baseline.latency(request))
+            runs[baseline.name].append(baseline.latency(batch[0]))
     return runs

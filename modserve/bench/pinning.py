@@ -15,11 +15,12 @@ def parse_cpus(spec: str) -> set[int]:
     return cpus
 
 
-def add_pinning_flags(parser: argparse.ArgumentParser, warmups: str = "untimed runs first") -> None:
+def add_pinning_flags(parser: argparse.ArgumentParser, warmups: str = "untimed runs first",
+                      repeats: str = "timed runs; figures are median [min-max]") -> None:
     """``--repeats``, ``--warmups`` (vLLM's ``--num-iters``, ``--num-warmups``, ``--num-iters-warmup``
     are aliases) and ``--cpus``. Torch threads are the engine flag ``--num-threads`` (``--threads``)."""
     g = parser.add_argument_group("repeats and pinning")
-    g.add_argument("--repeats", "--num-iters", type=int, default=3, help="timed runs; figures are median [min-max]")
+    g.add_argument("--repeats", "--num-iters", type=int, default=3, help=repeats)
     g.add_argument("--warmups", "--num-warmups", "--num-iters-warmup", type=int, default=1, help=warmups)
     g.add_argument("--cpus", default=None, help="pin the process to these cores, e.g. 0-3")
 

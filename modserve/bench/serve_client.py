@@ -21,7 +21,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from modserve.bench.metrics import RequestResult, Summary, goodput
+from modserve.bench.metrics import RequestResult, Summary, goodput, latency_keys, percentile_word
 from modserve.bench.workloads import BenchRequest
 
 
@@ -38,6 +38,23 @@ class ServeSettings:
     seed: int = 0
     timeout: float = 600.0
     progress: bool = True
+    headers: dict[str, str] = field(default_factory=dict)  # sent with every request, /v1/models too
+    percentile_metrics: Sequence[str] = ("ttft", "tpot", "itl")  # vLLM's defaults
+    percentiles: Sequence[float] = (99.0,)
+
+
+def request_headers(items: Sequence[str], api_key: str | None) -> dict[str, str]:
+    """vLLM's: ``Authorization: Bearer API_KEY`` (``$OPENAI_API_KEY``) when there is one, then
+    each ``KEY=VALUE`` of ``--header``, which replaces a header of the same name."""
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise ValueError(f"--header {item!r}: headers are KEY=VALUE")
+        # HTTP names are case-insensitive: authorization=... replaces Authorization, not joins it
+        headers = {k: v for k, v in headers.items() if k.lower() != key.strip().lower()}
+        headers[key.strip()] = value.strip()
+    return headers
 
 
 def arrival_gaps(n: int, rate: float, burstiness: float, seed: int) -> np.ndarray:
@@ -100,6 +117,8 @@ def _failed(result: RequestResult, error: str) -> RequestResult:
 
 async def first_model(client: Any, base_url: str) -> str:
     resp = await client.get(base_url.rstrip("/") + "/v1/models")
+    if resp.status_code == 401:
+        raise RuntimeError("/v1/models: HTTP 401: the server wants an API key: set OPENAI_API_KEY")
     resp.raise_for_status()
     models = resp.json().get("data") or []
     if not models:
@@ -113,12 +132,13 @@ async def _run(s: ServeSettings, requests: Sequence[BenchRequest]) -> dict[str, 
 
     limit = s.max_concurrency or len(requests) or 1
     limits = httpx.Limits(max_connections=limit, max_keepalive_connections=limit)
-    async with httpx.AsyncClient(timeout=s.timeout, limits=limits) as client:
+    async with httpx.AsyncClient(timeout=s.timeout, limits=limits, headers=s.headers) as client:
         model = s.model or await first_model(client, s.base_url)
         for req in requests[: s.num_warmups]:
             warm = await _send(client, s, model, req)
             if not warm.success:
-                raise RuntimeError(f"warm-up request failed: {warm.error}")
+                hint = " (the server wants an API key: set OPENAI_API_KEY)" if "HTTP 401" in warm.error else ""
+                raise RuntimeError(f"warm-up request failed: {warm.error}{hint}")
         gate = asyncio.Semaphore(limit)
         bar = tqdm(total=len(requests), desc="Requests", unit="req", disable=not s.progress)
 
@@ -160,21 +180,41 @@ def report(s: ServeSettings, model: str, results: Sequence[RequestResult], durat
         "slos_ms": {k: v * 1e3 for k, v in s.slos.items()},
         "goodput": goodput(results, s.slos, duration) if s.slos else None,
     }
-    for name, values in (("ttft", [r.ttft for r in ok]), ("tpot", [r.tpot for r in ok if r.output_len > 1]),
-                         ("itl", [x for r in ok for x in r.itl]), ("e2el", [r.e2el for r in ok])):
+    series = {"ttft": [r.ttft for r in ok], "tpot": [r.tpot for r in ok if r.output_len > 1],
+              "itl": [x for r in ok for x in r.itl], "e2el": [r.e2el for r in ok]}
+    for name, values in series.items():
         figures[f"{name}_ms"] = Summary.of(values).ms()
+    # vLLM's flat keys beside modserve's own, for scripts written against `vllm bench serve`
+    figures.update(duration=duration, request_goodput=figures["goodput"])
+    figures.update(latency_keys(series, s.percentile_metrics, s.percentiles))
     figures["requests"] = [{"prompt_len": r.prompt_len, "output_len": r.output_len, "ttft": r.ttft,
                             "e2el": r.e2el, "itl": r.itl, "error": r.error} for r in results]
     return figures
 
 
-def headline(figures: dict[str, Any]) -> dict[str, float]:
-    """The scalar figures printed per run and summarised over repeats."""
+def headline(figures: dict[str, Any], chosen: Sequence[str] = ("ttft", "tpot", "itl"),
+             percentiles: Sequence[float] = (99.0,)) -> dict[str, float]:
+    """The scalar figures printed per run and summarised over repeats: throughputs, then mean,
+    median and the ``percentiles`` of the ``chosen`` metrics (vLLM's ``--percentile-metrics``)."""
     out = {"req/s": figures["request_throughput"], "output tok/s": figures["output_throughput"],
            "total tok/s": figures["total_token_throughput"]}
     if figures["goodput"] is not None:
         out["goodput req/s"] = figures["goodput"]
-    for name in ("ttft", "tpot", "itl", "e2el"):
-        for stat in ("mean", "median", "p90", "p99"):
-            out[f"{name.upper()} {stat} ms"] = figures[f"{name}_ms"][stat]
+    for name in chosen:
+        for stat in ("mean", "median", *(f"p{percentile_word(q)}" for q in percentiles)):
+            out[f"{name.upper()} {stat} ms"] = figures[f"{stat}_{name}_ms"]
     return out
+
+
+VLLM_COUNTS = ("duration", "completed", "failed", "total_input_tokens", "total_output_tokens",
+               "request_throughput", "request_goodput", "output_throughput", "total_token_throughput")
+
+
+def vllm_result(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """vLLM's flat keys for the top of a result file: one run's own; over repeats, the median
+    of each, as the printed table (each run in ``runs`` keeps its own)."""
+    first = runs[0]
+    keys = [k for k in first if k in VLLM_COUNTS or (k.endswith("_ms") and isinstance(first[k], float))]
+    if len(runs) == 1:
+        return {k: first[k] for k in keys}
+    return {k: None if first[k] is None else float(np.median([r[k] for r in runs])) for k in keys}

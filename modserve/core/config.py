@@ -1,6 +1,7 @@
 """EngineConfig: every setting of an engine, validated at the boundary.
 
-Loaded from YAML or TOML, then overridden by CLI flags or ``LLM(...)`` keywords.
+Read from YAML or TOML (:mod:`modserve.config_files`), then overridden by CLI flags or
+``LLM(...)`` keywords.
 Unknown keys are errors naming the key. vLLM's names for the same settings are the
 front door's (:mod:`modserve.vllm_compat`); files may spell keys with dashes, as vLLM's do.
 """
@@ -8,12 +9,9 @@ front door's (:mod:`modserve.vllm_compat`); files may spell keys with dashes, as
 from __future__ import annotations
 
 import os
-import re
-import tomllib
 from pathlib import Path
 from typing import Any, Literal
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 
@@ -79,6 +77,9 @@ class EngineConfig(BaseModel):
     max_stop_chars: int = Field(
         1024, gt=0, description="Server: most characters in one request's stop strings together, else 400")
     max_stop_token_ids: int = Field(64, gt=0, description="Server: most stop_token_ids in one request, else 400")
+    max_bad_words: int = Field(64, gt=0, description="Server: most bad_words in one request, else 400")
+    max_bad_words_chars: int = Field(
+        1024, gt=0, description="Server: most characters in a request's bad_words, else 400")
     max_logprobs: int = Field(
         20, ge=0, description="Most logprobs per token a request may ask for (completions logprobs, chat "
         "top_logprobs, prompt_logprobs), else an error (400 at the server); vLLM's default")
@@ -103,6 +104,10 @@ class EngineConfig(BaseModel):
     allow_special_tokens_in_content: bool = Field(
         False, description="Server chat: let special-token text in message content (<|im_start|>...) become "
         "control tokens; off, it is encoded as plain text so a user cannot forge a turn")
+    generation_config: str = Field("auto", description="Sampling defaults of requests that leave them unset: "
+                                   "auto (the model's generation_config.json), vllm (none), or a directory's")
+    override_generation_config: dict[str, Any] | None = Field(
+        None, description="Sampling defaults merged over generation_config's, e.g. {temperature: 0}")
     seed: int = Field(0, description="Seed of the global sampling RNG (per-request seeds are separate)")
     device: str = Field("cpu", description="torch device: cpu, cuda, cuda:1")
     platform: PluginChoice | None = Field(
@@ -258,10 +263,6 @@ class EngineConfig(BaseModel):
         return self.platform or PluginChoice(name=self.device.partition(":")[0])
 
     @classmethod
-    def from_file(cls, path: str | os.PathLike[str], **overrides: Any) -> "EngineConfig":
-        return cls.from_dict(load_config_file(path), **overrides)
-
-    @classmethod
     def from_dict(cls, data: dict[str, Any], **overrides: Any) -> "EngineConfig":
         merged = dict(data)
         merged.update({k: v for k, v in overrides.items() if v is not None})
@@ -271,46 +272,10 @@ class EngineConfig(BaseModel):
             raise ValueError("invalid config: " + describe_validation_error(e)) from None
 
 
-def load_config_file(path: str | os.PathLike[str]) -> dict[str, Any]:
-    """The file's top-level mapping, keys with dashes spelled with underscores. A syntax
-    error is one ValueError line: file, line, column, the problem."""
-    path = Path(path)
-    if not path.is_file():
-        raise ValueError(f"config file not found: {path}")
-    text = path.read_text()
-    if path.suffix == ".toml":
-        try:
-            data = tomllib.loads(text)
-        except tomllib.TOMLDecodeError as e:
-            raise ValueError(_toml_error(path, e)) from None
-    elif path.suffix in (".yaml", ".yml", ".json"):
-        try:
-            data = yaml.safe_load(text) or {}
-        except yaml.YAMLError as e:
-            raise ValueError(f"config file {path}: {yaml_error(e)}") from None
-    else:
-        raise ValueError(f"config file {path} must end in .yaml, .yml, .toml or .json")
-    if not isinstance(data, dict):
-        raise ValueError(f"config file {path} must hold a mapping at the top level")
-    return {str(k).replace("-", "_"): v for k, v in data.items()}
 
 
-def yaml_error(e: yaml.YAMLError) -> str:
-    """``line 3, column 7: mapping values are not allowed here`` from PyYAML's many-line error."""
-    mark = getattr(e, "problem_mark", None) or getattr(e, "context_mark", None)
-    problem = getattr(e, "problem", None) or str(e)
-    context = getattr(e, "context", None)
-    text = problem + (f" ({context})" if context and context != problem else "")
-    where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""
-    return where + " ".join(text.split())
 
 
-def _toml_error(path: Path, e: tomllib.TOMLDecodeError) -> str:
-    msg = str(e)
-    found = re.search(r"\s*\(at line (\d+), column (\d+)\)$", msg)
-    if found:
-        return f"config file {path}: line {found[1]}, column {found[2]}: {msg[:found.start()]}"
-    return f"config file {path}: {msg}"
 
 
 def describe_validation_error(e: ValidationError, what: str = "config key") -> str:

@@ -32,9 +32,9 @@ hookimpl = pluggy.HookimplMarker("modserve")
 # a major one may remove what the minor releases before it deprecated. A plugin declares the
 # version it was written for as ``MODSERVE_PLUGIN_API = "1.0"`` on its entry-point object;
 # the registry loads it when the major matches and its minor is not newer than ours.
-PLUGIN_API_VERSION = "1.5"  # 1.1: the kv_connector kind; 1.2: Quantizer.traceable; 1.3: native decode
-# (CausalLM.decoder_layout, Quantizer.native_op, AttentionBackend.native_decode, GraphSettings.model); 1.4:
-# GrammarBackend.serialize/deserialize; 1.5: block_keys, Platform.device_for_rank/shares_host_memory/pin_memory
+PLUGIN_API_VERSION = "1.5"  # 1.1: kv_connector kind; 1.2: Quantizer.traceable; 1.3: native decode (CausalLM.
+# decoder_layout, Quantizer.native_op, AttentionBackend.native_decode, GraphSettings.model); 1.4: GrammarBackend.
+# serialize/deserialize; 1.5: block_keys, Platform.device_for_rank/shares_host_memory/pin_memory, logit_bias
 
 
 class Register(Protocol):

@@ -48,8 +48,15 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
+    detokenize: bool = True  # False: token ids only, no text (so no stop strings), as vLLM's
+    spaces_between_special_tokens: bool = True  # vLLM's; False only while special tokens are skipped (no-op)
     include_stop_str_in_output: bool = False
     structured_outputs: StructuredOutputs | None = None  # constrain the output (JSON schema, regex, ...)
+    logit_bias: dict[int, float] | None = None  # token id -> bias in [-100, 100], added to its logit
+    allowed_token_ids: list[int] | None = None  # only these tokens may be sampled
+    bad_words: list[str] | None = None  # never generated (vLLM's rule: engine/preprocess.py, runner/sampling.py)
+    truncate_prompt_tokens: int | None = None  # keep the prompt's last k tokens; -1: max_model_len
+    bad_words_token_ids: list[list[int]] | None = field(default=None, init=False, compare=False)  # set when added
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -111,6 +118,10 @@ class SamplingParams:
                 raise bad(name, "must be >= 0")
         if any(t < 0 for t in self.stop_token_ids):
             raise bad("stop_token_ids", "must be non-negative token ids")
+        if self.stop and not self.detokenize:
+            raise bad("stop", "needs detokenize=True: stop strings are searched in the text, as in vLLM")
+        if not (self.spaces_between_special_tokens or self.skip_special_tokens):
+            raise bad("spaces_between_special_tokens", "must be true with skip_special_tokens false (not supported)")
         if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputs):
             raise bad("structured_outputs", "must be a StructuredOutputs")
 

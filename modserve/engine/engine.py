@@ -29,6 +29,7 @@ from modserve.engine.grammar_compile import CompiledGrammar
 from modserve.engine.isolation import CulpritIsolation
 from modserve.engine.limits import EngineLimits
 from modserve.engine.output import OutputProcessor, Request, SampleText
+from modserve.engine.preprocess import preprocess_request
 from modserve.engine.scheduler import SchedulerCore, SwapSpace
 from modserve.engine.spec_decode import SpecDecode
 from modserve.engine.tokenizer import Tokenizer
@@ -142,7 +143,7 @@ class LLMEngine:
         params = params or SamplingParams()
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
-        token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        token_ids = preprocess_request(self.tokenizer, prompt, params, self.max_model_len)
         self.limits.validate_prompt(token_ids)
         self.limits.validate_params(params)
         grammar = None

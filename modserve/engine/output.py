@@ -93,13 +93,17 @@ class OutputProcessor:
             sample.logprobs.append(logprob_entry(out, row, params.logprobs))
         if sample.seen == seq.num_output_tokens and seq.finish_reason == "abort":
             return None  # the grammar rejected it: no text
-        if token in params.stop_token_ids or (token in self.eos_token_ids and not params.ignore_eos):
-            return None  # a stop token is not text
+        if not params.detokenize or token in params.stop_token_ids or (token in self.eos_token_ids
+                                                                       and not params.ignore_eos):
+            return None  # no text asked for, or a stop token (which is not text)
         delta = sample.detok.step(token)
         if not delta:
             return None
         sample.text += delta
-        return _stop_string(sample, params, len(delta)) if params.stop else None
+        # NOTE: as vLLM, no stop string ends the first min_tokens tokens: only text after them is searched.
+        if not params.stop or sample.seen <= params.min_tokens:
+            return None
+        return _stop_string(sample, params, len(delta))
 
     def output(self, req: Request, now: float | None = None) -> RequestOutput:
         """The request as its user sees it now; ``now`` marks a finished one's end."""

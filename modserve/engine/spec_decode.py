@@ -69,9 +69,9 @@ class SpecDecode:
         """Draft slots a running sequence may speculate into this step (0: it won't)."""
         p = seq.params
         if (seq.num_computed_tokens != seq.num_tokens - 1 or seq.pending_forks
-                or p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty
+                or p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty or p.bad_words
                 or seq.num_output_tokens < p.min_tokens):
-            # NOTE: penalties and min_tokens depend on the tokens before each draft
+            # NOTE: penalties, bad_words and min_tokens depend on the tokens before each draft
             # position; such requests decode one token at a time rather than approximately.
             return 0
         room = min(max_tokens - seq.num_output_tokens, self.max_model_len - seq.num_tokens) - 1

@@ -14,7 +14,8 @@ import torch
 
 from modserve.runner.batch import build_batch, micro_batch_count, split_batch
 from modserve.core.config import EngineConfig
-from modserve.runner.sampling import fill_token_bitmask
+from modserve.runner.sampling import (bad_word_bans, bad_word_rows, fill_token_bitmask, joined_bitmask,
+                                      logit_bias_entries, token_rule_bitmask)
 from modserve.runner.forward_context import after_each_layer
 from modserve.core.contracts.attention_backend import AttentionMetadata, AttentionSpec
 from modserve.core.contracts.kv_connector import BlockTransfer, KVConnector, KVConnectorContext
@@ -139,8 +140,9 @@ class ModelRunner:
         self.cache_in_host_memory = self.platform.shares_host_memory()  # copies into it block (move_blocks)
         self.step_forward: StepForward = self._forward  # the platform's CUDA graphs, once the cache exists
         self._first_rows: dict[int, torch.Tensor] = {}  # n -> [n] int64 0 .. n - 1 (_row_index)
-        # The sampling settings' tensors of the last step's sequences, while the same ones follow
-        self._settings: tuple[tuple[Sequence, ...], SamplingBatch] | None = None
+        # The sampling settings' tensors of the last step's sequences, while the same ones follow,
+        # and their rows with bad words of several tokens (bad_word_rows)
+        self._settings: tuple[tuple[Sequence, ...], SamplingBatch, list[tuple[int, list[list[int]]]]] | None = None
 
     def _load_model(self, registry: Registry, max_model_len: int, progress: bool) -> torch.nn.Module:
         archs = getattr(self.hf_config, "architectures", None) or []
@@ -148,7 +150,8 @@ class ModelRunner:
             raise ValueError("config.json names no 'architectures'")
         model_cls = registry.load("model_architecture", archs[0])
         self.quantizer = select_quantizer(self.config.quantization, self.hf_config, registry)
-        make_linear = linear_factory(self.quantizer, self.dtype, self.device, self.platform.linear_method() or Unquantized(), self.tp,
+        float_method = self.platform.linear_method() or Unquantized()  # None: the plain F.linear
+        make_linear = linear_factory(self.quantizer, self.dtype, self.device, float_method, self.tp,
                                      self.layers, registry.create("moe_backend", self.config.moe_backend),
                                      self.config.enable_expert_parallel)
         with torch.device("meta"), default_dtype(self.dtype):
@@ -477,20 +480,23 @@ class ModelRunner:
         SamplingParams, its generator) is the last call's tensors again while the sequences are
         the same (samplers only read them): made each step, they cost ~0.1 ms of a decode step."""
         if self._settings is None or self._settings[0] != tuple(seqs):
-            self._settings = (tuple(seqs), self._row_settings(seqs))
-        rows = self._settings[1]
+            self._settings = (tuple(seqs), self._row_settings(seqs), bad_word_rows(seqs))
+        _, rows, word_rows = self._settings
         banned = [(row, list(s.params.stop_token_ids) + self.eos_token_ids) for row, s in enumerate(seqs)
                   if s.num_output_tokens < s.params.min_tokens]
+        banned += bad_word_bans(seqs, word_rows)  # looks only at rows with bad words of several tokens
         prompt = output = None
         if rows.any_penalty:
             prompt = self._padded([s.prompt_token_ids for s in seqs])
             output = self._padded([s.output_token_ids for s in seqs])
+        grammar = fill_token_bitmask(seqs, self.vocab_size, self.device)
         return dataclasses.replace(rows, prompt_token_ids=prompt, output_token_ids=output, banned_token_ids=banned,
-                                   allowed_token_bitmask=fill_token_bitmask(seqs, self.vocab_size, self.device))
+                                   allowed_token_bitmask=joined_bitmask(rows.allowed_token_bitmask, grammar))
 
     def _row_settings(self, seqs: list[Sequence]) -> SamplingBatch:
         """The settings that stay with each sequence, as a SamplingBatch without this step's
-        penalty token ids, bans and grammar mask."""
+        penalty token ids, bans and grammar mask; allowed_token_bitmask holds the rows' own
+        token rules (allowed_token_ids, one-token bad_words), None when no row has any."""
         params = [s.params for s in seqs]
         # one [6, B] float32 tensor, a row per setting: one call, not six
         temperature, top_p, min_p, repetition, presence, frequency = torch.tensor(
@@ -504,7 +510,9 @@ class ModelRunner:
             any_penalty=any(p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty for p in params),
             generators={i: s.generator for i, s in enumerate(seqs) if s.generator is not None},
             prompt_token_ids=None, output_token_ids=None, banned_token_ids=[],
-            max_num_logprobs=max(want) if want else -1)
+            max_num_logprobs=max(want) if want else -1,
+            allowed_token_bitmask=token_rule_bitmask(seqs, self.vocab_size, self.device),
+            logit_bias=logit_bias_entries(seqs, self.device))
 
     def _padded(self, rows: list[list[int]]) -> torch.Tensor:
         width = max((len(r) for r in rows), default=0)

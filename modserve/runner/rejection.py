@@ -21,7 +21,7 @@ import torch
 from modserve.core.contracts.sampler import Sampler, SamplerOutput, SamplingBatch
 from modserve.core.plugin_calls import calling, checked_probs
 from modserve.core.sequence import Sequence
-from modserve.runner.sampling import add_logprobs, sample_rows
+from modserve.runner.sampling import add_logprobs, joined_bitmask, sample_rows, token_rule_bitmask
 
 
 @dataclass(slots=True)
@@ -111,9 +111,11 @@ def verify_drafts(runner: Verifier, seqs: list[Sequence], drafts: list[list[int]
     starts = [0, *itertools.accumulate(counts)][:-1]
     dev = runner.device
     # Each row's processed distribution, with its sequence's settings.
-    rep = runner.sampling_batch([s for s, c in zip(seqs, counts) for _ in range(c)])
-    if rep.allowed_token_bitmask is not None:
-        rep.allowed_token_bitmask = _draft_bitmask(seqs, drafts, starts, sum(counts), runner.vocab_size, dev)
+    repeated = [s for s, c in zip(seqs, counts) for _ in range(c)]
+    rep = runner.sampling_batch(repeated)
+    if any(s.grammar is not None for s in seqs):  # the rows' own token rules hold at every position
+        drafted = _draft_bitmask(seqs, drafts, starts, sum(counts), runner.vocab_size, dev)
+        rep.allowed_token_bitmask = joined_bitmask(token_rule_bitmask(repeated, runner.vocab_size, dev), drafted)
     with calling(runner.sampler, "sampler", "probs()"):
         probs = checked_probs(runner.sampler, runner.sampler.probs(logits, rep), logits)  # [R, V]
     pos = torch.tensor([[st + min(j, c - 1) for j in range(K + 1)] for st, c in zip(starts, counts)],

@@ -1,8 +1,10 @@
 """Sampling primitives every sampler, proposer and the verifier share: one draw per row,
-and the logprob fields of a :class:`~modserve.core.contracts.sampler.SamplerOutput`."""
+and the logprob fields of a :class:`~modserve.core.contracts.sampler.SamplerOutput`; and the
+tensors of the requests' token rules (grammar, allowed_token_ids, bad_words, logit_bias)."""
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from modserve.core.contracts.sampler import SamplerOutput
@@ -31,6 +33,67 @@ def add_logprobs(out: SamplerOutput, raw_logprobs: torch.Tensor, num_top: int) -
     out.ranks = (raw_logprobs > out.logprobs.unsqueeze(1)).sum(dim=-1) + 1  # [B], 1 = most likely
     if num_top > 0:
         out.top_logprobs, out.top_ids = raw_logprobs.topk(min(num_top, raw_logprobs.shape[-1]), dim=-1)  # [B, K]
+
+
+def token_rule_bitmask(seqs: list[Sequence], vocab_size: int, device: torch.device) -> torch.Tensor | None:
+    """[B, ceil(V / 32)] int32 (fill_token_bitmask's bits): what each row's allowed_token_ids
+    and one-token bad_words leave; None when no row has either. O(ids) per row, not O(V)."""
+    rows = [(i, s.params) for i, s in enumerate(seqs) if s.params.allowed_token_ids or s.params.bad_words_token_ids]
+    if not rows:
+        return None
+    mask = np.full((len(seqs), (vocab_size + 31) // 32), 0xFFFFFFFF, dtype=np.uint32)
+    for row, p in rows:
+        if p.allowed_token_ids:
+            mask[row] = 0
+            _set_bits(mask[row], p.allowed_token_ids, True)
+        _set_bits(mask[row], [ids[0] for ids in p.bad_words_token_ids or () if len(ids) == 1], False)
+    return torch.from_numpy(mask.view(np.int32)).to(device)
+
+
+def _set_bits(words: np.ndarray, ids: list[int], value: bool) -> None:
+    """In place: bit t % 32 of ``words[t // 32]`` set (``value``) or cleared for each t of ``ids``."""
+    ids = np.asarray(ids, dtype=np.int64)
+    bits = (np.int64(1) << (ids & 31)).astype(np.uint32)
+    if value:
+        np.bitwise_or.at(words, ids >> 5, bits)
+    else:
+        np.bitwise_and.at(words, ids >> 5, ~bits)
+
+
+def joined_bitmask(rules: torch.Tensor | None, grammar: torch.Tensor | None) -> torch.Tensor | None:
+    """Both masks' tokens ([B, ceil(V / 32)] int32 each), or the one that is not None."""
+    if rules is None or grammar is None:
+        return grammar if rules is None else rules
+    return rules & grammar
+
+
+def bad_word_rows(seqs: list[Sequence]) -> list[tuple[int, list[list[int]]]]:
+    """(row, its bad words of two or more tokens): what each step checks; one-token words are
+    in the row's bitmask (token_rule_bitmask)."""
+    return [(i, words) for i, s in enumerate(seqs)
+            if (words := [w for w in s.params.bad_words_token_ids or () if len(w) > 1])]
+
+
+def bad_word_bans(seqs: list[Sequence], rows: list[tuple[int, list[list[int]]]]) -> list[tuple[int, list[int]]]:
+    """(row, ids) banned this step, vLLM's rule: a word's last token, when the row's output ends
+    with the word's other tokens."""
+    bans = []
+    for row, words in rows:
+        seq = seqs[row]
+        ids = [w[-1] for w in words if len(w) <= seq.num_output_tokens + 1 and seq.token_ids[1 - len(w):] == w[:-1]]
+        if ids:
+            bans.append((row, ids))
+    return bans
+
+
+def logit_bias_entries(seqs: list[Sequence], device: torch.device) -> tuple[torch.Tensor, ...] | None:
+    """(rows, token ids, biases), [N] each, of every row's logit_bias; None when no row has one."""
+    entries = [(row, t, b) for row, s in enumerate(seqs) if s.params.logit_bias for t, b in s.params.logit_bias.items()]
+    if not entries:
+        return None
+    rows, ids, biases = zip(*entries)
+    return (torch.tensor(rows, dtype=torch.int64, device=device), torch.tensor(ids, dtype=torch.int64, device=device),
+            torch.tensor(biases, dtype=torch.float32, device=device))
 
 
 def fill_token_bitmask(seqs: list[Sequence], vocab_size: int, device: torch.device) -> torch.Tensor | None:

@@ -88,7 +88,7 @@ class DefaultSampler(Sampler):
 
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         if (batch.all_greedy and batch.max_num_logprobs < 0 and batch.allowed_token_bitmask is None
-                and not batch.banned_token_ids and not batch.any_penalty):
+                and not batch.banned_token_ids and not batch.any_penalty and batch.logit_bias is None):
             return SamplerOutput(token_ids=logits.argmax(dim=-1))  # nothing to mask: no float32 copy
         # Logprobs are of the raw model distribution, before any processing.
         raw_logprobs = logits.float().log_softmax(dim=-1) if batch.max_num_logprobs >= 0 else None  # [B, V]
@@ -109,15 +109,19 @@ class DefaultSampler(Sampler):
         return self._shape(self._mask_and_penalise(logits, batch), batch).softmax(dim=-1)  # [B, V]
 
     def _mask_and_penalise(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-        """Grammar mask, banned tokens, penalties: greedy rows take the argmax of this."""
+        """Token mask, banned tokens, logit bias, penalties (vLLM's order): greedy rows take the
+        argmax of this."""
         logits = logits.to(torch.float32, copy=True)  # [B, V]; ours to modify in place
-        if batch.allowed_token_bitmask is not None:  # structured outputs: before anything else
+        if batch.allowed_token_bitmask is not None:  # grammar, allowed_token_ids: before anything else
             apply_token_bitmask(logits, batch.allowed_token_bitmask)
         for row, ids in batch.banned_token_ids:
             kept = logits[row, ids]
             logits[row, ids] = _NEG_INF
             if batch.allowed_token_bitmask is not None and not torch.isfinite(logits[row]).any():
-                logits[row, ids] = kept  # the grammar can only end here: it wins over min_tokens
+                logits[row, ids] = kept  # the mask leaves only these: it wins over min_tokens and bad_words
+        if batch.logit_bias is not None:
+            rows, ids, biases = batch.logit_bias  # [N] each; one entry per (row, token)
+            logits[rows, ids] += biases
         if batch.any_penalty:
             logits = apply_penalties(logits, batch, self.vocab_size)
         return logits

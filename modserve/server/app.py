@@ -17,6 +17,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 import modserve
 from modserve.engine.client import EngineClient
 from modserve.engine.engine import LLMEngine
+from modserve.generation_defaults import GenerationDefaults
 from modserve.core.registry import PluginError
 from modserve.server.chat_tokenizer import ChatTokenizer
 from modserve.server.async_engine import DEAD_MESSAGE, AsyncEngine
@@ -42,11 +43,13 @@ logger = logging.getLogger("modserve.server")
 # /health, /version and /metrics stay open: probes and scrapers don't carry keys.
 
 
-def create_app(engine: LLMEngine | Sequence[LLMEngine], api_key: str | None = None) -> FastAPI:
+def create_app(engine: LLMEngine | Sequence[LLMEngine], api_key: str | None = None,
+               generation_defaults: GenerationDefaults | None = None) -> FastAPI:
     """An app serving ``engine``; the engine thread starts and stops with the app's lifespan.
 
     Several engines (data parallelism: replicas of one config, :func:`replicas.build_engines`)
-    are served as one, each request routed to one of them by ``data_parallel_routing``."""
+    are served as one, each request routed to one of them by ``data_parallel_routing``.
+    ``generation_defaults``: the model's sampling defaults, if already read (else read here)."""
     engines = [engine] if isinstance(engine, LLMEngine) else list(engine)
     engine = engines[0]
     config = engine.config
@@ -71,6 +74,7 @@ def create_app(engine: LLMEngine | Sequence[LLMEngine], api_key: str | None = No
         grammar_bounds=GrammarBounds.from_config(config),
         max_response_bytes=config.max_response_bytes,
         allow_special_tokens_in_content=config.allow_special_tokens_in_content,
+        generation_defaults=generation_defaults or GenerationDefaults.of(config),
     )
 
     @asynccontextmanager

@@ -10,6 +10,7 @@ from starlette.background import BackgroundTask
 
 from modserve.core.outputs import RequestOutput
 from modserve.engine.client import OutputStream
+from modserve.engine.preprocess import truncate_prompt
 from modserve.server.async_engine import EngineError
 from modserve.server.logprobs import TokenText, chat_logprobs, prompt_logprobs
 from modserve.server.protocol import (ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest,
@@ -30,13 +31,19 @@ async def create_chat_completion(body: ChatCompletionRequest, state: ServerState
     state.check_model(body.model)
     body.check()
     state.limits.check(body, 1)
-    params = body.sampling_params(body.max_new_tokens, body.num_logprobs, body.prompt_logprobs)
+    defaults = state.generation_defaults
+    params = body.sampling_params(defaults.max_tokens(body.max_new_tokens), body.num_logprobs, body.prompt_logprobs,
+                                  defaults.values)
+    await state.tokenize_bad_words(params)
     state.check_params(params)
     prompt = await chat_prompt(state, body.messages, body.add_generation_prompt)
+    prompt = truncate_prompt(prompt, params, state.max_model_len)  # truncate_prompt_tokens, as vLLM's chat
     state.check_prompt(prompt, "messages")
-    state.check_min_tokens(params, len(prompt), "messages")
+    asked = ("max_completion_tokens", body.max_completion_tokens) if body.max_completion_tokens is not None \
+        else ("max_tokens", body.max_tokens)
+    state.check_context(params, len(prompt), "messages", asked)
     if not body.stream:
-        state.response_bound.check_chat(body.n, len(prompt), body.max_new_tokens, state.max_model_len,
+        state.response_bound.check_chat(body.n, len(prompt), params.max_tokens, state.max_model_len,
                                         body.num_logprobs, body.prompt_logprobs)
     await state.compile_grammar(params, body.constraint_param)
     stream = state.submit([prompt], params, arrival, body.priority)
@@ -69,9 +76,9 @@ async def _stream(body: ChatCompletionRequest, state: ServerState, stream: Outpu
 
     def chunk(choices: list[ChatChunkChoice], usage: Usage | None = None) -> str:
         return sse(ChatCompletionChunk(id=response_id, created=created, model=state.model_name,
-                                       choices=choices, usage=usage))
+                                       choices=choices, usage=usage or tally.chunk_usage()))
 
-    tally = StreamTally(body.n, prompt_tokens)
+    tally = StreamTally(body.n, prompt_tokens, body.continuous_usage)
     try:
         # As OpenAI: each choice opens with the role and empty content.
         for i in range(body.n):
@@ -83,7 +90,7 @@ async def _stream(body: ChatCompletionRequest, state: ServerState, stream: Outpu
                 yield chunk([ChatChunkChoice(index=index, delta=delta, logprobs=logprobs,
                                              finish_reason=piece.finish_reason, stop_reason=piece.stop_reason)])
         if body.include_usage:
-            yield chunk([], Usage.of(prompt_tokens, tally.num_completion_tokens))
+            yield chunk([], tally.usage())
     except EngineError as e:
         yield engine_error_event(e)
     finally:

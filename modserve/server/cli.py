@@ -35,6 +35,7 @@ def add_parsers(subparsers: Any) -> None:
 def cmd_serve(args: argparse.Namespace) -> int:
     from modserve.cli import config_from_args
     from modserve.engine.engine import LLMEngine
+    from modserve.generation_defaults import GenerationDefaults
     from modserve.server.app import create_app
     from modserve.server.demo import use_demo_model
     from modserve.server.replicas import build_engines
@@ -52,11 +53,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if args.host is None:
         logger.warning("listening on %s only (vLLM binds every interface): pass --host 0.0.0.0 to be reachable "
                        "from other machines or from outside a container", host)
+    defaults = GenerationDefaults.of(config)  # read before the model loads: a bad file fails at once
     # data_parallel_size > 1: that many engines of this config (replicas.replica_config), one app
     engines = build_engines(config, lambda replica: LLMEngine(replica, progress=False))
     app = None
     try:
-        app = create_app(engines, api_key=api_key)
+        app = create_app(engines, api_key=api_key, generation_defaults=defaults)
         access_log = not getattr(args, "vllm_disable_uvicorn_access_log", None)
         run(app, host, port, args.log_level, api_key, config, access_log=access_log)
     finally:  # drained and stopped, or failed to start: no tensor-parallel worker outlives the server

@@ -10,6 +10,7 @@ from starlette.background import BackgroundTask
 
 from modserve.core.outputs import RequestOutput
 from modserve.engine.client import OutputStream
+from modserve.engine.preprocess import truncate_prompt
 from modserve.server.async_engine import EngineError
 from modserve.server.logprobs import TokenText, completion_logprobs, echo_logprobs, prompt_logprobs
 from modserve.server.protocol import (CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse,
@@ -24,15 +25,19 @@ async def create_completion(body: CompletionRequest, state: ServerState, request
     body.check()
     texts = body.prompts()
     state.limits.check(body, len(texts))
-    params = body.sampling_params(body.max_tokens, body.logprobs, body.engine_prompt_logprobs)
+    defaults = state.generation_defaults
+    params = body.sampling_params(defaults.max_tokens(body.max_tokens), body.logprobs, body.engine_prompt_logprobs,
+                                  defaults.values)
+    await state.tokenize_bad_words(params)
     state.check_params(params)
     state.check_batch(len(texts))  # before any of it is tokenized
     prompts = [await state.encode(p, "prompt") if isinstance(p, str) else list(p) for p in texts]
+    prompts = [truncate_prompt(ids, params, state.max_model_len) for ids in prompts]  # truncate_prompt_tokens
     for ids in prompts:
         state.check_prompt(ids, "prompt")
-        state.check_min_tokens(params, len(ids), "prompt")
+        state.check_context(params, len(ids), "prompt", ("max_tokens", body.max_tokens))
     if not body.stream:
-        state.response_bound.check_completion(body.n, list(map(len, prompts)), body.max_tokens, state.max_model_len,
+        state.response_bound.check_completion(body.n, list(map(len, prompts)), params.max_tokens, state.max_model_len,
                                               body.echo, body.logprobs, body.prompt_logprobs)
     await state.compile_grammar(params, body.constraint_param)
     echoes = [await state.decode(ids) for ids in prompts] if body.echo else None
@@ -79,7 +84,7 @@ def _prompt_part(body: CompletionRequest, token_text: TokenText,
 
 async def _stream(body: CompletionRequest, state: ServerState, stream: OutputStream, response_id: str,
                   echoes: list[str] | None, prompt_tokens: int) -> AsyncIterator[str]:
-    tally = StreamTally(body.n, prompt_tokens)
+    tally = StreamTally(body.n, prompt_tokens, body.continuous_usage)
     offsets: dict[int, int] = {}  # choice index -> characters sent, for logprobs' text_offset
     echoed: set[int] = set()  # prompts whose echo was sent
     try:
@@ -90,16 +95,16 @@ async def _stream(body: CompletionRequest, state: ServerState, stream: OutputStr
                 logprobs = _prompt_part(body, state.token_text, out)[0]
                 for j in range(body.n):
                     offsets[i * body.n + j] = len(echoes[i])
-                    yield _chunk(response_id, state, i * body.n + j, Piece(echoes[i], None, None, None), logprobs)
+                    yield _chunk(response_id, state, i * body.n + j, Piece(echoes[i], None, None, None), logprobs,
+                                 tally.chunk_usage())
             for index, piece in tally.pieces(stream, out):
                 logprobs = None
                 if piece.logprobs is not None:
                     logprobs = completion_logprobs(piece.logprobs, state.token_text, offsets.get(index, 0))
                 offsets[index] = offsets.get(index, 0) + len(piece.text)
-                yield _chunk(response_id, state, index, piece, logprobs)
+                yield _chunk(response_id, state, index, piece, logprobs, tally.chunk_usage())
         if body.include_usage:
-            usage = Usage.of(prompt_tokens, tally.num_completion_tokens)
-            yield sse(CompletionResponse(id=response_id, model=state.model_name, choices=[], usage=usage))
+            yield sse(CompletionResponse(id=response_id, model=state.model_name, choices=[], usage=tally.usage()))
     except EngineError as e:
         yield engine_error_event(e)
     finally:
@@ -107,7 +112,8 @@ async def _stream(body: CompletionRequest, state: ServerState, stream: OutputStr
     yield SSE_DONE
 
 
-def _chunk(response_id: str, state: ServerState, index: int, piece: Piece, logprobs) -> str:
+def _chunk(response_id: str, state: ServerState, index: int, piece: Piece, logprobs,
+           usage: Usage | None = None) -> str:
     choice = CompletionChoice(index=index, text=piece.text, logprobs=logprobs,
                               finish_reason=piece.finish_reason, stop_reason=piece.stop_reason)
-    return sse(CompletionResponse(id=response_id, model=state.model_name, choices=[choice]))
+    return sse(CompletionResponse(id=response_id, model=state.model_name, choices=[choice], usage=usage))

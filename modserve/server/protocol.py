@@ -9,7 +9,7 @@ an integer). ``None`` means "the default" everywhere, because clients send expli
 from __future__ import annotations
 
 import time
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, Mapping
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -69,6 +69,7 @@ class TextChecked(BaseModel):
 
 class StreamOptions(Strict):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's: the usage so far in every chunk, with include_usage
     include_obfuscation: bool | None = None  # OpenAI's padding against side channels; nothing to pad here
 
 
@@ -86,7 +87,7 @@ class SamplingRequest(TextChecked, ConstraintFields):
     user: str | None = None
     presence_penalty: float | None = Field(None, ge=-2, le=2)
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
-    logit_bias: dict[str, float] | None = None
+    logit_bias: dict[str, float] | None = None  # token id (a string, as OpenAI's) -> bias in [-100, 100]
     # vLLM's extras
     top_k: int | None = Field(None, ge=-1, le=INT64_MAX)
     min_p: float | None = Field(None, ge=0, le=1)
@@ -95,14 +96,16 @@ class SamplingRequest(TextChecked, ConstraintFields):
     ignore_eos: bool = False
     stop_token_ids: list[TokenId] | None = None
     skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     priority: Int64 = 0  # lower runs first under the priority scheduler; others ignore it
     prompt_logprobs: NumLogprobs | None = None  # each prompt token's logprob and the top N there
+    allowed_token_ids: list[TokenId] | None = None  # only these may be sampled
+    bad_words: list[str] | None = None  # at most max_bad_words (request_limits.py)
+    truncate_prompt_tokens: int | None = Field(None, ge=-1, le=INT64_MAX)  # keep the last k; -1: max_model_len
 
     def check(self) -> None:
         """Checks across fields; each names the field at fault."""
-        if self.logit_bias:
-            raise invalid("logit_bias", "not supported")
         if self.stream_options is not None and not self.stream:
             raise invalid("stream_options", "only allowed when stream is true")
         if self.prompt_logprobs is not None and self.stream:
@@ -117,27 +120,49 @@ class SamplingRequest(TextChecked, ConstraintFields):
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
-    def sampling_params(self, max_tokens: int | None, logprobs: int | None,
-                        prompt_logprobs: int | None = None) -> SamplingParams:
-        def pick(value: Any, default: Any) -> Any:
-            return default if value is None else value
+    @property
+    def continuous_usage(self) -> bool:
+        """As vLLM: usage in every chunk only with include_usage too."""
+        return self.include_usage and self.stream_options.continuous_usage_stats
+
+    def sampling_params(self, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None = None,
+                        defaults: Mapping[str, Any] | None = None) -> SamplingParams:
+        """``defaults``: the model's values (SamplingParams' names) for the fields this request
+        leaves unset; without one, vLLM's neutral value."""
+        defaults = defaults or {}
+
+        def pick(name: str, neutral: Any) -> Any:
+            value = getattr(self, name)
+            return defaults.get(name, neutral) if value is None else value
 
         try:
             return SamplingParams(
                 n=self.n, max_tokens=max_tokens, min_tokens=self.min_tokens,
-                temperature=pick(self.temperature, 1.0), top_p=pick(self.top_p, 1.0),
-                top_k=pick(self.top_k, -1), min_p=pick(self.min_p, 0.0),
-                repetition_penalty=pick(self.repetition_penalty, 1.0),
-                presence_penalty=pick(self.presence_penalty, 0.0),
-                frequency_penalty=pick(self.frequency_penalty, 0.0),
+                temperature=pick("temperature", 1.0), top_p=pick("top_p", 1.0),
+                top_k=pick("top_k", -1), min_p=pick("min_p", 0.0),
+                repetition_penalty=pick("repetition_penalty", 1.0),
+                presence_penalty=pick("presence_penalty", 0.0),
+                frequency_penalty=pick("frequency_penalty", 0.0),
                 seed=self.seed, stop=self.stop, stop_token_ids=self.stop_token_ids or [],
                 ignore_eos=self.ignore_eos, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
                 skip_special_tokens=self.skip_special_tokens,
+                spaces_between_special_tokens=self.spaces_between_special_tokens,
                 include_stop_str_in_output=self.include_stop_str_in_output,
                 structured_outputs=self.constraint,
+                logit_bias=self.token_logit_bias(), allowed_token_ids=self.allowed_token_ids,
+                bad_words=self.bad_words, truncate_prompt_tokens=self.truncate_prompt_tokens,
             )
         except ValueError as e:  # SamplingParams' messages start with the field's name
             raise invalid(str(e).split(" ", 1)[0], str(e).split(" ", 1)[-1]) from None
+
+    def token_logit_bias(self) -> dict[int, float] | None:
+        """``logit_bias`` keyed by token id: OpenAI's API sends the ids as strings."""
+        if self.logit_bias is None:
+            return None
+        try:
+            return {int(k): v for k, v in self.logit_bias.items()}
+        except ValueError:
+            raise invalid("logit_bias", "keys must be token ids (integers, sent as strings)") from None
 
 
 Prompt = str | list[str] | list[int] | list[list[int]]

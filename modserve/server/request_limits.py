@@ -31,6 +31,8 @@ class RequestLimits:
     max_stop_chars: int
     max_stop_token_ids: int
     max_logprobs: int
+    max_bad_words: int
+    max_bad_words_chars: int
 
     @classmethod
     def of(cls, config: EngineConfig) -> RequestLimits:
@@ -38,7 +40,8 @@ class RequestLimits:
             max_sequences_per_request=config.max_sequences_per_request
             or DEFAULT_BATCHES_PER_REQUEST * config.max_num_seqs,
             max_stop_strings=config.max_stop_strings, max_stop_chars=config.max_stop_chars,
-            max_stop_token_ids=config.max_stop_token_ids, max_logprobs=config.max_logprobs)
+            max_stop_token_ids=config.max_stop_token_ids, max_logprobs=config.max_logprobs,
+            max_bad_words=config.max_bad_words, max_bad_words_chars=config.max_bad_words_chars)
 
     def check(self, body: SamplingRequest, num_prompts: int) -> None:
         """A 400 naming the field and the limit for the first bound ``body`` is over."""
@@ -61,3 +64,13 @@ class RequestLimits:
             value = getattr(body, name, None)
             if type(value) is int and value > self.max_logprobs:
                 raise invalid(name, f"asks for {value} logprobs per token, over max_logprobs={self.max_logprobs}")
+        self._check_bad_words(body.bad_words or [])
+
+    def _check_bad_words(self, words: list[str]) -> None:
+        # Each word is tokenized twice per request, and a word of several tokens checked on every step.
+        if len(words) > self.max_bad_words:
+            raise invalid("bad_words", f"holds {len(words)} words, over max_bad_words={self.max_bad_words}")
+        chars = sum(map(len, words))
+        if chars > self.max_bad_words_chars:
+            raise invalid("bad_words", f"is {chars} characters in all, over max_bad_words_chars="
+                          f"{self.max_bad_words_chars}")

@@ -19,11 +19,14 @@ from modserve.server.chat_tokenizer import ChatTokenizer
 from modserve.engine.grammar_compile import START_TIMEOUT_S, CompilerClosed
 from modserve.engine.grammar import timeout_message
 from modserve.engine.client import EngineClient, OutputStream
+from modserve.engine.preprocess import tokenize_bad_words
 from modserve.server.async_engine import (DEAD_MESSAGE, EngineDead, EngineError, EngineStopped, PluginFailed,
                                           ShuttingDown, StreamStalled)
 from modserve.server.errors import APIError, invalid
+from modserve.generation_defaults import GenerationDefaults
 from modserve.server.grammar_bounds import GrammarBounds, check_bounds
 from modserve.server.logprobs import TokenText
+from modserve.server.protocol import Usage
 from modserve.server.request_limits import RequestLimits
 from modserve.server.response_size import ResponseBound
 from modserve.server.tokenizer_pool import TokenizerPool
@@ -65,6 +68,8 @@ class ServerState:
     max_response_bytes: int
     grammar_bounds: GrammarBounds | None = None  # None: no constraint is measured before it compiles
     allow_special_tokens_in_content: bool = False
+    # The model's sampling defaults for fields a request leaves unset (generation_config)
+    generation_defaults: GenerationDefaults = field(default_factory=GenerationDefaults)
     model_aliases: tuple[str, ...] = ()  # more names requests may use (served_model_name's others)
     hidden_aliases: tuple[str, ...] = ()  # accepted, never listed: the model's local path (model_names.py)
     draining: bool = False  # set on SIGTERM: new requests get 503, those in flight finish
@@ -111,6 +116,13 @@ class ServerState:
         except ValueError as e:
             raise invalid(param, str(e)) from None
 
+    async def tokenize_bad_words(self, params: SamplingParams) -> None:
+        """``params.bad_words`` as token ids (vLLM's rule, engine/preprocess.py), on a tokenizer
+        thread; before check_params, which checks them against the vocabulary."""
+        if params.bad_words:
+            await self.pool.run(lambda tok: tokenize_bad_words(
+                params, lambda text: tok.encode(text, add_special_tokens=False)))
+
     def check_params(self, params: SamplingParams) -> None:
         """The settings against this engine's vocabulary and limits (n, stop_token_ids)."""
         try:
@@ -119,10 +131,17 @@ class ServerState:
             field_name, _, why = str(e).partition(" ")
             raise invalid(field_name, why) from None
 
-    def check_min_tokens(self, params: SamplingParams, prompt_len: int, param: str) -> None:
-        """min_tokens against the context this prompt leaves: with max_tokens null the only cap
-        (SamplingParams holds it to max_tokens when one is given), for chat and completions alike."""
+    def check_context(self, params: SamplingParams, prompt_len: int, param: str,
+                      max_tokens: tuple[str, int | None]) -> None:
+        """The output asked for against the context this prompt leaves, for chat and completions
+        alike: the request's own ``max_tokens`` (its field name and value) must fit, as vLLM
+        refuses; so must ``min_tokens`` (SamplingParams holds it to max_tokens when one is given)."""
         room = self.max_model_len - prompt_len
+        name, asked = max_tokens
+        if asked is not None and asked > room:
+            raise invalid(name, f"is too large: {asked}. This model's maximum context length is {self.max_model_len} "
+                          f"tokens and your request has {prompt_len} input tokens ({asked} > {self.max_model_len} "
+                          f"- {prompt_len})")
         if params.min_tokens > room:
             raise invalid("min_tokens", f"is {params.min_tokens}, more than the {room} tokens the {param} leaves "
                           f"of max_model_len={self.max_model_len}")
@@ -302,6 +321,7 @@ class StreamTally:
 
     n: int
     prompt_tokens: int
+    continuous_usage: bool = False  # vLLM's stream_options.continuous_usage_stats
     cursors: dict[tuple[int, int], Cursor] = field(default_factory=dict)
     completion_tokens: dict[tuple[int, int], int] = field(default_factory=dict)
 
@@ -318,6 +338,14 @@ class StreamTally:
     @property
     def num_completion_tokens(self) -> int:
         return sum(self.completion_tokens.values())
+
+    def usage(self) -> Usage:
+        """The response's usage so far: every prompt, every choice."""
+        return Usage.of(self.prompt_tokens, self.num_completion_tokens)
+
+    def chunk_usage(self) -> Usage | None:
+        """What a content chunk carries: the usage so far with continuous_usage_stats, else none."""
+        return self.usage() if self.continuous_usage else None
 
 
 def usage_counts(outputs: list[RequestOutput]) -> tuple[int, int]:

@@ -32,11 +32,13 @@ class SamplingBatch:
     generators: dict[int, torch.Generator]  # row -> seeded generator
     prompt_token_ids: torch.Tensor | None  # [B, P] padded with vocab_size, only with penalties
     output_token_ids: torch.Tensor | None  # [B, O] padded with vocab_size, only with penalties
-    banned_token_ids: list[tuple[int, list[int]]]  # (row, ids) never to sample this step (min_tokens)
+    banned_token_ids: list[tuple[int, list[int]]]  # (row, ids) never to sample this step (min_tokens, bad_words)
     max_num_logprobs: int  # -1 when no row wants logprobs
-    # [B, ceil(V / 32)] int32: bit t % 32 of word t // 32 set = token t may be sampled.
-    # Rows without a grammar are all ones; None when no row has one.
+    # [B, ceil(V / 32)] int32: bit t % 32 of word t // 32 set = token t may be sampled (grammar, allowed_token_ids,
+    # one-token bad_words). Rows without them are all ones; None when no row has them.
     allowed_token_bitmask: torch.Tensor | None = None
+    # logits[rows, ids] += biases, each [N] (int64, int64, float32), one per (row, token); None when no row has one
+    logit_bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
 
 @dataclass(slots=True)
@@ -55,7 +57,7 @@ class Sampler(ABC):
     logits; rows with a generator draw only from it, so a seeded request gives
     the same tokens whatever else is in the batch. Logprobs are of the model's
     raw distribution (log_softmax of the unprocessed logits). With an
-    ``allowed_token_bitmask``, a row samples only tokens whose bit is set.
+    ``allowed_token_bitmask``, a row samples only tokens whose bit is set; ``logit_bias`` is added before penalties.
     """
 
     def __init__(self, vocab_size: int, options: BaseModel | None = None) -> None:
