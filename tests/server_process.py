@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -10,7 +11,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 import httpx
 import openai
@@ -74,6 +75,17 @@ def stop(server: Server) -> int:
     except subprocess.TimeoutExpired:
         server.proc.kill()
         return server.proc.wait()
+
+
+@contextlib.contextmanager
+def serving(tmp: Path, name: str, *flags: str, env: dict[str, str] | None = None) -> Iterator[Server]:
+    """A healthy server for the ``with`` block; stopped after it, whatever happened."""
+    server = launch(tmp, name, *flags, env=env)
+    try:
+        wait_healthy(server)
+        yield server
+    finally:
+        stop(server)
 
 
 def wait_for(predicate: Callable[[], bool], timeout: float = 20.0) -> None:

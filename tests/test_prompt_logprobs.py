@@ -13,7 +13,7 @@ import httpx
 import openai
 import pytest
 import torch
-from server_process import launch, stop, wait_healthy
+from server_process import serving
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from modserve import LLM, SamplingParams
@@ -207,13 +207,9 @@ def test_recompute_preemption_mid_prefill_neither_loses_nor_repeats(llama_dir, h
 
 @pytest.fixture(scope="module")
 def server(llama_dir, tmp_path_factory):
-    srv = launch(tmp_path_factory.mktemp("prompt-logprobs"), "server", "--model", llama_dir,
-                 "--served-model-name", MODEL, "--num-kv-blocks", "128", "--max-model-len", "256")
-    try:
-        wait_healthy(srv)
+    with serving(tmp_path_factory.mktemp("prompt-logprobs"), "server", "--model", llama_dir,
+                 "--served-model-name", MODEL, "--num-kv-blocks", "128", "--max-model-len", "256") as srv:
         yield srv
-    finally:
-        stop(srv)
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,7 @@ import re
 import httpx
 import openai
 import pytest
-from server_process import Server, launch, stop, wait_healthy
+from server_process import Server, serving
 
 from modserve import LLM, SamplingParams, StructuredOutputs
 from modserve.core.sequence import Sequence
@@ -244,13 +244,9 @@ def test_invalid_values_are_refused_naming_the_field(llm, kwargs, field):
 
 @pytest.fixture(scope="module")
 def server(llama_dir, tmp_path_factory) -> Server:
-    s = launch(tmp_path_factory.mktemp("surface"), "surface", "--model", llama_dir, "--served-model-name", MODEL,
-               "--num-kv-blocks", "128", "--max-model-len", str(MAX_MODEL_LEN), "--max-bad-words", "4")
-    try:
-        wait_healthy(s)
+    with serving(tmp_path_factory.mktemp("surface"), "surface", "--model", llama_dir, "--served-model-name", MODEL,
+                 "--num-kv-blocks", "128", "--max-model-len", str(MAX_MODEL_LEN), "--max-bad-words", "4") as s:
         yield s
-    finally:
-        stop(s)
 
 
 @pytest.fixture(scope="module")
