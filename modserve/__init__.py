@@ -21,6 +21,9 @@ _EXPORTS = {
     "TokensPrompt": "modserve.inputs",
     "RequestOutput": "modserve.core.outputs",
     "CompletionOutput": "modserve.core.outputs",
+    "PoolingParams": "modserve.pooling_params",
+    "EmbeddingRequestOutput": "modserve.outputs",
+    "PoolingRequestOutput": "modserve.outputs",
 }
 __all__ = [*_EXPORTS, "__version__"]
 

@@ -357,7 +357,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 # The kinds the conformance kit checks (modserve.testing.conformance).
 CONFORMANCE_KINDS: tuple[str, ...] = (
     "attention_backend", "kv_allocator", "scheduler", "sampler", "grammar_backend", "quantizer", "proposer",
-    "executor", "kv_connector")
+    "executor", "kv_connector", "tool_parser", "reasoning_parser")
 
 CONFORMANCE_HELP = f"""\
 Check plugin implementations against their kind's contract with the conformance kit

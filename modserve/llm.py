@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import weakref
 from functools import lru_cache
 from itertools import count
@@ -22,12 +23,31 @@ from modserve.core.outputs import RequestOutput
 from modserve.core.registry import Registry
 from modserve.core.sampling_params import SamplingParams
 from modserve.inputs import PromptType, parse_prompts
-from modserve.outputs import Decode, add_vllm_logprobs
+from modserve.outputs import (Decode, EmbeddingOutput, EmbeddingRequestOutput, PoolingOutput, PoolingRequestOutput,
+                              add_vllm_logprobs)
+from modserve.pooling_params import PoolingParams
 from modserve.sampling_params import BeamSearchParams
 from modserve.server.grammar_bounds import GrammarBounds, check_bounds
 from modserve.vllm_compat import engine_config
 
 Messages = list[dict[str, Any]]
+
+
+def _template_message(message: dict[str, Any]) -> dict[str, Any]:
+    """As vLLM: an assistant turn's tool-call arguments (JSON text in OpenAI's format) reach the
+    template as a mapping, which templates such as Qwen's write with ``tojson``."""
+    if not message.get("tool_calls"):
+        return message
+    calls = []
+    for call in message["tool_calls"]:
+        function = dict(call.get("function", {}))
+        if isinstance(function.get("arguments"), str):
+            try:
+                function["arguments"] = json.loads(function["arguments"])
+            except ValueError:
+                pass
+        calls.append({**call, "function": function})
+    return {**message, "tool_calls": calls}
 
 
 class LLM:
@@ -141,6 +161,9 @@ class LLM:
         (:mod:`modserve.inputs`). ``priority`` (one per prompt, lower first) matters under the
         priority scheduler. Logprobs come in vLLM's shape (:class:`modserve.outputs.PositionLogprobs`)."""
         self._check_running()
+        if self.config.runner == "pooling":
+            raise ValueError("this LLM runs the pooling runner (runner: pooling): use embed() or encode(), "
+                             "not generate()")
         parsed = parse_prompts(prompts)
         prompts = [p.engine_input for p in parsed]
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
@@ -185,17 +208,50 @@ class LLM:
                 out.prompt = p.text
         return outputs
 
+    def encode(self, prompts: PromptType | Seq[PromptType], pooling_params: PoolingParams | None = None,
+               use_tqdm: bool = True) -> list[PoolingRequestOutput]:
+        """The pooling runner (``runner="pooling"``): each prompt's pooled vector as a tensor, in
+        input order (vLLM's ``LLM.encode``). A ValueError under the generate runner."""
+        self._check_running()
+        params = pooling_params or PoolingParams()
+        tok = self.engine.tokenizer
+        ids = [tok.encode(p.engine_input) if isinstance(p.engine_input, str) else list(p.engine_input)
+               for p in parse_prompts(prompts)]
+        vectors = self.engine.embed(ids, params.normalize, params.dimensions)
+        return [PoolingRequestOutput(f"embd-{next(self._ids)}", PoolingOutput(v), p) for v, p in zip(vectors, ids)]
+
+    def embed(self, prompts: PromptType | Seq[PromptType], pooling_params: PoolingParams | None = None,
+              use_tqdm: bool = True) -> list[EmbeddingRequestOutput]:
+        """As :meth:`encode`, each vector a list of floats at ``.outputs.embedding`` (vLLM's ``LLM.embed``)."""
+        return [EmbeddingRequestOutput(o.request_id, EmbeddingOutput(o.outputs.data.tolist()), o.prompt_token_ids)
+                for o in self.encode(prompts, pooling_params, use_tqdm)]
+
     def chat(
         self,
         messages: Messages | Seq[Messages],
         sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        *,
+        tools: list[dict[str, Any]] | None = None,
+        documents: list[dict[str, str]] | None = None,
+        chat_template: str | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
     ) -> list[RequestOutput]:
-        """Apply the tokenizer's chat template to each conversation, then generate."""
+        """Apply the chat template (the request's ``chat_template``, else the config's or the
+        tokenizer's) to each conversation, with ``tools``, ``documents`` and ``chat_template_kwargs``
+        as transformers' ``apply_chat_template`` takes them, then generate. The output is the
+        model's text: tool calls in it are not parsed (as vLLM's ``LLM.chat``)."""
+        if add_generation_prompt and continue_final_message:
+            raise ValueError("continue_final_message cannot be combined with add_generation_prompt=True")
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         tok = self.engine.tokenizer
-        prompts = [tok.encode(tok.apply_chat_template(c), add_special_tokens=False) for c in conversations]
-        return self.generate(prompts, sampling_params, use_tqdm)
+        texts = [tok.hf.apply_chat_template(
+            [_template_message(m) for m in c], tools=tools, documents=documents, chat_template=chat_template,
+            add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message,
+            tokenize=False, **(chat_template_kwargs or {})) for c in conversations]
+        return self.generate([tok.encode(t, add_special_tokens=False) for t in texts], sampling_params, use_tqdm)
 
     def beam_search(self, prompts: Any, params: BeamSearchParams, *args: Any, **kwargs: Any) -> NoReturn:
         """vLLM's ``LLM.beam_search``: refused, naming what is missing."""

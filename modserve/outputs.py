@@ -13,7 +13,8 @@ from typing import Any
 
 from modserve.core.outputs import CompletionOutput, RequestMetrics, RequestOutput
 
-__all__ = ["CompletionOutput", "Logprob", "PositionLogprobs", "RequestMetrics", "RequestOutput"]
+__all__ = ["CompletionOutput", "EmbeddingOutput", "EmbeddingRequestOutput", "Logprob", "PoolingOutput",
+           "PoolingRequestOutput", "PositionLogprobs", "RequestMetrics", "RequestOutput"]
 
 Decode = Callable[[int], str]  # one token id -> its text alone (vLLM's decoded_token)
 
@@ -72,3 +73,34 @@ def add_vllm_logprobs(out: RequestOutput, decode: Decode | None) -> RequestOutpu
     if out.prompt_logprobs is not None:
         out.prompt_logprobs = [None if e is None else PositionLogprobs(e, decode) for e in out.prompt_logprobs]
     return out
+
+
+# -- what LLM.encode and LLM.embed return (the pooling runner), in vLLM's shapes ---------------
+@dataclass(slots=True)
+class PoolingOutput:
+    data: Any  # torch.Tensor [hidden] float32: the pooled vector
+
+
+@dataclass(slots=True)
+class PoolingRequestOutput:
+    request_id: str
+    outputs: PoolingOutput
+    prompt_token_ids: list[int]
+    finished: bool = True
+
+
+@dataclass(slots=True)
+class EmbeddingOutput:
+    embedding: list[float]
+
+    @property
+    def hidden_size(self) -> int:
+        return len(self.embedding)
+
+
+@dataclass(slots=True)
+class EmbeddingRequestOutput:
+    request_id: str
+    outputs: EmbeddingOutput
+    prompt_token_ids: list[int]
+    finished: bool = True

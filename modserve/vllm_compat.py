@@ -200,11 +200,22 @@ VALUES: dict[str, Callable[[Any], Any]] = {
 }
 
 
+def _task(data: dict[str, Any], value: Any) -> None:
+    """vLLM's older ``--task``: embed is the pooling runner, generate the default; others are not built."""
+    runners = {"embed": "pooling", "embedding": "pooling", "generate": "generate", "auto": None}
+    if value not in runners:
+        raise ValueError(f"task {value!r} is not supported: embed (runner pooling) or generate")
+    if runners[value]:
+        data["runner"] = runners[value]
+
+
 _BOOL = {"action": "BooleanOptionalAction"}
 _INT = {"type": int, "metavar": "INT"}
 _FLOAT = {"type": float, "metavar": "FLOAT"}
 _TEXT = {"metavar": "TEXT"}
 _NOT_BUILT = "{} parallelism is not built yet; tensor parallelism is: --tensor-parallel-size (-tp)"
+_MULTI_NODE_DP = ("data-parallel engine cores on several machines are not built yet: run one server per rank "
+                  "(--data-parallel-rank N) behind a load balancer, or tensor/pipeline ranks over Ray")
 
 VLLM_OPTIONS: tuple[VllmOption, ...] = (
     # -- mapped onto modserve's settings
@@ -235,12 +246,28 @@ VLLM_OPTIONS: tuple[VllmOption, ...] = (
     VllmOption("disable_uvicorn_access_log", "mapped", "`modserve serve`: uvicorn's access log off", _BOOL),
     VllmOption("guided_decoding_backend", "mapped", "grammar_backend: NAME (auto, xgrammar, outlines)",
                {"metavar": "NAME"}, _set_name("grammar_backend")),
+    VllmOption("task", "mapped", "runner: pooling for embed, generate for generate", {"metavar": "TASK"}, _task),
+    VllmOption("disable_frontend_multiprocessing", "mapped", "`modserve serve`: the engine steps in a thread of "
+               "the server's process instead of engine-core processes of its own", _BOOL),
+    VllmOption("data_parallel_rank", "mapped", "`modserve serve`: serve data-parallel rank N of "
+               "--data-parallel-size alone (external load balancing: one endpoint per rank, each with its "
+               "rank's seed and share of the memory)", _INT, short="-dpn"),
     # -- refused: a value other than vLLM's default is an error
     # (-pp and -dp: only while modserve has no field of that name; with one, the field's flag
     # takes the short one, and translate() gives the value to the field)
     VllmOption("pipeline_parallel_size", "refused", _NOT_BUILT.format("pipeline"), _INT, default=1, short="-pp"),
     VllmOption("data_parallel_size", "refused", _NOT_BUILT.format("data") + " (or run one server per replica)",
                _INT, default=1, short="-dp"),
+    VllmOption("data_parallel_backend", "refused", "data-parallel engine cores are processes on this machine "
+               "(mp); the ray executor places tensor-parallel ranks on a Ray cluster", _TEXT, default="mp",
+               short="-dpb"),
+    VllmOption("data_parallel_size_local", "refused", _MULTI_NODE_DP, _INT, short="-dpl"),
+    VllmOption("data_parallel_start_rank", "refused", _MULTI_NODE_DP, _INT, default=0, short="-dpr"),
+    VllmOption("data_parallel_address", "refused", _MULTI_NODE_DP, _TEXT, short="-dpa"),
+    VllmOption("data_parallel_rpc_port", "refused", _MULTI_NODE_DP, _INT, short="-dpp"),
+    VllmOption("headless", "refused", _MULTI_NODE_DP, _BOOL, default=False),
+    VllmOption("api_server_count", "refused", "one API server process serves every engine core", _INT,
+               default=1, short="-asc"),
     VllmOption("cpu_offload_gb", "refused", "offloading weights to host memory is not supported", _FLOAT,
                default=0),
     VllmOption("enable_lora", "refused", "LoRA adapters are not supported", _BOOL, default=False),
@@ -248,9 +275,6 @@ VLLM_OPTIONS: tuple[VllmOption, ...] = (
     VllmOption("enable_sleep_mode", "refused", "sleep mode is not supported", _BOOL, default=False),
     VllmOption("hf_overrides", "refused", "edit the checkpoint's config.json instead", {"metavar": "JSON"}),
     VllmOption("limit_mm_per_prompt", "refused", "multimodal inputs are not supported", {"metavar": "JSON"}),
-    VllmOption("enable_auto_tool_choice", "refused", "tool calling is not supported", _BOOL, default=False),
-    VllmOption("tool_call_parser", "refused", "tool calling is not supported", _TEXT),
-    VllmOption("reasoning_parser", "refused", "reasoning parsers are not supported", _TEXT),
     VllmOption("load_format", "refused", "modserve loads safetensors checkpoints", _TEXT,
                default=("auto", "safetensors")),
     VllmOption("tokenizer_mode", "refused", "modserve uses the checkpoint's fast Hugging Face "
@@ -275,13 +299,12 @@ VLLM_OPTIONS: tuple[VllmOption, ...] = (
     VllmOption("enable_log_requests", "ignored", "modserve logs no request contents", _BOOL, default=False),
     VllmOption("max_log_len", "ignored", "modserve logs no request contents", _INT),
     VllmOption("uvicorn_log_level", "ignored", "uvicorn logs at --log-level", _TEXT, default="info"),
-    VllmOption("disable_frontend_multiprocessing", "ignored", "the server and engine share one process",
-               _BOOL, default=False),
 )
 BY_KEY: dict[str, VllmOption] = {o.key: o for o in VLLM_OPTIONS}
 # Keys a ``vllm serve`` config file holds for the server, not the engine: ``modserve serve``
 # takes them as its flags (a file's value yields to the command line).
-SERVER_KEYS: tuple[str, ...] = ("host", "port", "api_key", "disable_uvicorn_access_log")
+SERVER_KEYS: tuple[str, ...] = ("host", "port", "api_key", "disable_uvicorn_access_log",
+                                 "disable_frontend_multiprocessing", "data_parallel_rank")
 
 
 def normalize_key(key: str) -> str:

@@ -10,6 +10,7 @@ third party would, through a distribution's ``modserve`` entry point.
 from __future__ import annotations
 
 import dataclasses
+import json
 from typing import Any, ClassVar, Sequence as Seq
 
 import torch
@@ -26,6 +27,8 @@ from modserve.plugins.executors.uni import UniExecutor
 from modserve.plugins.kv_allocators.paged import PagedAllocator
 from modserve.plugins.kv_connectors.host import HostMemoryConnector, HostMemoryOptions
 from modserve.plugins.proposers.ngram import NgramProposer
+from modserve.plugins.reasoning_parsers.think import DeepSeekR1ReasoningParser
+from modserve.plugins.tool_parsers.hermes import HermesToolParser
 from modserve.plugins.schedulers.fcfs import FCFSScheduler
 from modserve.quantizers.awq import AWQ
 from modserve.quantizers.gptq import GPTQ
@@ -616,6 +619,29 @@ class SavesAView(SmallHost):
         return failed
 
 
+# -- tool and reasoning parsers: the built-ins with one fault each ------------------------------
+class DropsTheLastStreamedCall(HermesToolParser):
+    def _diff(self, content: str, calls: list, final: bool) -> Any:  # a stream never sends the last call
+        return super()._diff(content, calls[:-1], final)
+
+
+class ArgumentsAsPython(HermesToolParser):
+    def extract(self, text: str) -> Any:
+        found = super().extract(text)  # the arguments as a Python dict's repr, not JSON
+        return type(found)(found.content, [dataclasses.replace(c, arguments=repr(json.loads(c.arguments)))
+                                           for c in found.calls])
+
+
+class SendsAPartialMarker(DeepSeekR1ReasoningParser):
+    def split(self, text: str, final: bool) -> tuple[str, str]:
+        return super().split(text, True)  # holds nothing back: "</th" goes out as reasoning
+
+
+class FindsNoReasoning(DeepSeekR1ReasoningParser):
+    def extract(self, text: str) -> tuple[str | None, str | None]:
+        return None, text
+
+
 # kind -> name -> implementation; a name says what is wrong with it.
 BROKEN: dict[str, dict[str, Any]] = {
     "attention_backend": {f: attention(f) for f in (
@@ -656,6 +682,9 @@ BROKEN: dict[str, dict[str, Any]] = {
     "executor": {"failed_never_says": FailedNeverSays, "failed_blocks": FailedBlocks,
                  "shutdown_forgets_workers": ShutdownForgetsWorkers, "shutdown_never_kills": ShutdownNeverKills,
                  "workers_get_another_model": WorkersGetAnotherModel, "uni_refuses_vaguely": UniRefusesVaguely},
+    "tool_parser": {"drops_the_last_streamed_call": DropsTheLastStreamedCall,
+                    "arguments_as_python": ArgumentsAsPython},
+    "reasoning_parser": {"sends_a_partial_marker": SendsAPartialMarker, "finds_no_reasoning": FindsNoReasoning},
     "kv_connector": {"loads_the_wrong_layer": LoadsTheWrongLayer, "counts_every_key": CountsEveryKey,
                      "fails_the_rest_after_a_miss": FailsTheRestAfterAMiss, "saves_a_view": SavesAView},
 }
@@ -670,6 +699,9 @@ CONTROLS: dict[str, dict[str, str]] = {
     "quantizer": {"int8_copy": "modserve.quantizers.int8:Int8"},
     "proposer": {"ngram_copy": "modserve.plugins.proposers.ngram:NgramProposer"},
     "executor": {"quick_mp": f"{__name__}:QuickMp"},  # mp, as the broken ones are before their fault
+    "tool_parser": {"hermes_copy": "modserve.plugins.tool_parsers.hermes:HermesToolParser",
+                    "pythonic_copy": "modserve.plugins.tool_parsers.pythonic:PythonicToolParser"},
+    "reasoning_parser": {"deepseek_r1_copy": "modserve.plugins.reasoning_parsers.think:DeepSeekR1ReasoningParser"},
     "kv_connector": {"small_host": f"{__name__}:SmallHost",
                      "shm_copy": "modserve.plugins.kv_connectors.shm:SharedMemoryConnector"},
 }
@@ -733,3 +765,13 @@ def register_executors(register: Register) -> None:
 @hookimpl
 def register_kv_connectors(register: Register) -> None:
     _register("kv_connector", register)
+
+
+@hookimpl
+def register_tool_parsers(register: Register) -> None:
+    _register("tool_parser", register)
+
+
+@hookimpl
+def register_reasoning_parsers(register: Register) -> None:
+    _register("reasoning_parser", register)

@@ -67,6 +67,18 @@ def wait_healthy(server: Server, timeout: float = 90) -> None:
     raise TimeoutError(f"server not healthy after {timeout} s:\n{server.log.read_text()}")
 
 
+def launch_healthy(tmp: Path, name: str, *flags: str, timeout: float = 90,
+                   env: dict[str, str] | None = None) -> Server:
+    """``launch`` then ``wait_healthy``; a server that does not come up is stopped."""
+    server = launch(tmp, name, *flags, env=env)
+    try:
+        wait_healthy(server, timeout)
+    except BaseException:
+        stop(server)
+        raise
+    return server
+
+
 def stop(server: Server) -> int:
     if server.proc.poll() is None:
         server.proc.send_signal(signal.SIGTERM)

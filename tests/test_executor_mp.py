@@ -45,7 +45,7 @@ from modserve.core.registry import Registry
 from modserve.plugins.executors.mp import MultiprocessExecutor, MultiprocessOptions
 from modserve.server.async_engine import AsyncEngine, EngineDead, EngineStopped
 from processes import alive, descendants, wait_until
-from server_process import Server, launch, stop, wait_healthy
+from server_process import Server, launch_healthy, stop
 
 MODEL = "tiny"
 PROMPTS = [[(7 * i + j) % 200 + 3 for j in range(5 + 3 * i)] for i in range(3)]
@@ -92,13 +92,7 @@ def reference(llama_dir) -> list[str]:
 
 
 def start_tp2(tmp, name: str, llama_dir: str) -> Server:
-    server = launch(tmp, name, llama_dir, "--tensor-parallel-size", "2", *SERVER_FLAGS)
-    try:
-        wait_healthy(server, timeout=180)
-    except BaseException:
-        stop(server)
-        raise
-    return server
+    return launch_healthy(tmp, name, llama_dir, "--tensor-parallel-size", "2", *SERVER_FLAGS, timeout=180)
 
 
 # -- a TP=2 server ----------------------------------------------------------------------------
@@ -160,7 +154,7 @@ def test_a_killed_worker_fails_the_stream_in_flight_and_the_server_reports_it(ll
             for chunk in stream:
                 assert not chunk.choices or chunk.choices[0].finish_reason is None, "the stream finished"
         assert time.monotonic() - start < 10
-        assert "a tensor-parallel worker failed" in str(error.value) and error.value.code == "engine_dead"
+        assert "the engine stopped" in str(error.value) and error.value.code == "engine_dead"
         health = httpx.get(f"{server.url}/health")
         assert health.status_code == 503 and health.json()["error"]["code"] == "engine_dead", health.text
         with pytest.raises(openai.InternalServerError) as refused:

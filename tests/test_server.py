@@ -249,7 +249,7 @@ BAD = [
     ("/v1/completions", {"prompt": LONG}, 400, "prompt"),
     ("/v1/completions", {}, 400, "prompt"),
     ("/v1/chat/completions", {"messages": []}, 400, "messages"),
-    ("/v1/chat/completions", {"messages": [{"role": "tool", "content": "x"}]}, 400, "messages.0.role"),
+    ("/v1/chat/completions", {"messages": [{"role": "robot", "content": "x"}]}, 400, "messages.0.role"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": LONG}]}, 400, "messages"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, 400,
      "top_logprobs"),

@@ -43,6 +43,9 @@ if TYPE_CHECKING:  # for type checkers and IDEs; at run time each name is import
     from modserve.core.contracts.proposer import Proposal, Proposer, ProposerContext
     from modserve.core.contracts.sampler import Sampler, SamplerOutput, SamplingBatch
     from modserve.core.contracts.scheduler import Schedule, Scheduler, SchedulerLimits, SchedulerView
+    from modserve.core.contracts.tool_parser import ToolCall, ToolCallDelta, ToolExtraction, ToolParser, ToolStreamDelta
+    from modserve.core.contracts.reasoning_parser import ReasoningDelta, ReasoningParser
+    from modserve.api.tool_parsing import PartialCall, ReparsingToolParser, hold_back, json_call, json_objects
     from modserve.runner.linear import (
         Linear, LinearFactory, Unquantized, VocabEmbedding, check_name, float_layers, linear_factory, load_shard,
         model_bytes, param)
@@ -76,6 +79,9 @@ _WHERE: dict[str, str] = {name: module for module, names in (
     ("modserve.core.contracts.quantizer", "LinearSpec Quantizer TensorLayout"),
     ("modserve.core.contracts.sampler", "Sampler SamplerOutput SamplingBatch"),
     ("modserve.core.contracts.scheduler", "Schedule Scheduler SchedulerLimits SchedulerView"),
+    ("modserve.core.contracts.tool_parser", "ToolCall ToolCallDelta ToolExtraction ToolParser ToolStreamDelta"),
+    ("modserve.core.contracts.reasoning_parser", "ReasoningDelta ReasoningParser"),
+    ("modserve.api.tool_parsing", "PartialCall ReparsingToolParser hold_back json_call json_objects value_end"),
     ("modserve.runner.linear",
      "Linear LinearFactory Unquantized VocabEmbedding check_name float_layers linear_factory "
      "load_shard model_bytes param"),
@@ -107,14 +113,16 @@ __all__ = [
     # contracts, one per kind
     "AttentionBackend", "CausalLM", "Executor", "GrammarBackend", "GrammarMatcher", "KVAllocator", "MoEBackend",
     "Platform",
-    "Proposer", "Quantizer", "Sampler", "Scheduler",
+    "Proposer", "Quantizer", "ReasoningParser", "Sampler", "Scheduler", "ToolParser",
     # the data they receive and return
     "AttentionMetadata", "AttentionSpec", "CudaGraphSupport", "DecoderLayerLayout", "DecoderLayout", "FinishedModel",
     "GrammarSpec", "GrammarVocab",
     "GraphSettings", "LinearSpec", "StepForward",
     "ModelLoad", "Proposal", "ProposerContext", "SamplerOutput", "SamplingBatch", "SamplingParams", "Schedule",
     "SchedulerLimits", "SchedulerView", "Sequence", "SequenceStatus", "SequenceView", "StructuredOutputs",
-    "TensorLayout", "WorkerSpec",
+    "TensorLayout", "WorkerSpec", "ReasoningDelta", "ToolCall", "ToolCallDelta", "ToolExtraction", "ToolStreamDelta",
+    # helpers for tool parsers (modserve/api/tool_parsing.py)
+    "PartialCall", "ReparsingToolParser", "hold_back", "json_call", "json_objects", "value_end",
     # models and linears
     "Linear", "LinearFactory", "TensorParallel", "Unquantized", "VocabEmbedding", "attention", "check_name", "float_layers", "forward_context",
     "linear_factory", "load_shard", "model_bytes", "param",

@@ -40,11 +40,27 @@ class SpeculativeConfig(BaseModel):
     num_speculative_tokens: int = Field(4, gt=0, le=16, description="Draft tokens per step (k)")
 
 
+class PoolerConfig(BaseModel):
+    """How the pooling runner makes one vector of a prompt (vLLM's ``--pooler-config``). A key left
+    unset comes from the checkpoint's sentence-transformers files, else LAST and normalize."""
+
+    model_config = ConfigDict(extra="forbid")
+    pooling_type: Literal["LAST", "MEAN", "CLS"] | None = Field(
+        None, description="LAST: the last token's hidden state; MEAN: the mean over the prompt; CLS: the first")
+    normalize: bool | None = Field(None, description="L2-normalize each vector (after any `dimensions` cut)")
+
+
 class EngineConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
     model: str = Field(description="Path to a Hugging Face checkpoint directory")
     tokenizer: str | None = Field(None, description="Tokenizer directory (default: the model's)")
+    runner: Literal["generate", "pooling"] = Field(
+        "generate", description="generate: text generation; pooling: embeddings (/v1/embeddings, LLM.embed), the "
+        "final hidden states pooled per prompt, no LM head and no decode (vLLM's --runner; --task embed)")
+    pooler_config: PoolerConfig | None = Field(
+        None, description="runner pooling: {pooling_type: LAST|MEAN|CLS, normalize: bool}; unset keys: the "
+        "checkpoint's sentence-transformers modules.json and 1_Pooling/config.json, else LAST and normalize")
     served_model_name: str | list[str] | None = Field(
         None, description="Name reported by the API (default: the model path); a list: the first is reported, "
         "each is accepted in requests")
@@ -73,6 +89,8 @@ class EngineConfig(BaseModel):
     max_sequences_per_request: int | None = Field(
         None, gt=0, description="Server: most sequences one request may start (its prompts times n), else 400; "
         "default: 8 x max_num_seqs, eight batches' worth")
+    max_embedding_inputs: int = Field(
+        2048, gt=0, description="Server, runner pooling: most inputs in one /v1/embeddings request, else 400")
     max_stop_strings: int = Field(64, gt=0, description="Server: most stop strings in one request, else 400")
     max_stop_chars: int = Field(
         1024, gt=0, description="Server: most characters in one request's stop strings together, else 400")
@@ -95,15 +113,28 @@ class EngineConfig(BaseModel):
     stream_stall_timeout: float = Field(
         30.0, ge=0, description="Server: seconds a stream's output may wait unread (its client does not read) "
         "before the stream is aborted, freeing its sequences' batch slots and KV; 0: never")
+    step_timeout: float = Field(
+        600.0, gt=0, description="Server: seconds one engine step may run (or an engine process stay silent) "
+        "before the engine is declared hung: its requests fail, /health turns 503, its processes are killed")
+    exit_on_engine_death: bool = Field(
+        True, description="Server: once an engine dies, drain the other requests and exit non-zero (as vLLM "
+        "does, so a supervisor restarts it); off, it stays up answering 503")
     shutdown_timeout: float = Field(
         30.0, ge=0, description="Server: on SIGTERM/SIGINT, seconds to let requests in flight finish; then "
         "streams end with an error event and [DONE], others get 503")
+    metrics_naming: Literal["modserve", "vllm"] = Field(
+        "modserve", description="Server: the families /metrics emits: modserve_* (modserve), or vLLM's vllm:* "
+        "names, labels and buckets with model_name and engine labels, for dashboards and gateways made for "
+        "vLLM (docs/server.md)")
     chat_template: str | None = Field(
         None, description="Server chat and LLM.chat: a Jinja chat template, inline or a file's path, instead of "
         "the tokenizer's")
     allow_special_tokens_in_content: bool = Field(
         False, description="Server chat: let special-token text in message content (<|im_start|>...) become "
         "control tokens; off, it is encoded as plain text so a user cannot forge a turn")
+    tool_call_parser: PluginChoice | None = Field(None, description="Server chat: tool parser plugin (hermes, ...)")
+    enable_auto_tool_choice: bool = Field(False, description="Server chat: allow tool_choice auto (needs a parser)")
+    reasoning_parser: PluginChoice | None = Field(None, description="Server chat: reasoning parser plugin (qwen3, ...)")
     generation_config: str = Field("auto", description="Sampling defaults of requests that leave them unset: "
                                    "auto (the model's generation_config.json), vllm (none), or a directory's")
     override_generation_config: dict[str, Any] | None = Field(
@@ -223,6 +254,8 @@ class EngineConfig(BaseModel):
     def _connector_layout(self) -> "EngineConfig":
         if self.kv_connector is not None and self.pipeline_parallel_size > 1:
             raise ValueError("kv_connector does not work with pipeline_parallel_size > 1 yet (tensor parallel does)")
+        if self.runner == "pooling" and self.world_size > 1:  # its forward runs on rank 0 alone
+            raise ValueError("runner pooling runs on one rank: tensor_parallel_size and pipeline_parallel_size 1")
         return self
 
     @field_validator("served_model_name")

@@ -32,9 +32,10 @@ hookimpl = pluggy.HookimplMarker("modserve")
 # a major one may remove what the minor releases before it deprecated. A plugin declares the
 # version it was written for as ``MODSERVE_PLUGIN_API = "1.0"`` on its entry-point object;
 # the registry loads it when the major matches and its minor is not newer than ours.
-PLUGIN_API_VERSION = "1.5"  # 1.1: kv_connector kind; 1.2: Quantizer.traceable; 1.3: native decode (CausalLM.
+PLUGIN_API_VERSION = "1.6"  # 1.1: kv_connector kind; 1.2: Quantizer.traceable; 1.3: native decode (CausalLM.
 # decoder_layout, Quantizer.native_op, AttentionBackend.native_decode, GraphSettings.model); 1.4: GrammarBackend.
-# serialize/deserialize; 1.5: block_keys, Platform.device_for_rank/shares_host_memory/pin_memory, logit_bias
+# serialize/deserialize; 1.5: block_keys, Platform.device_for_rank/shares_host_memory/pin_memory, logit_bias;
+# 1.6: tool_parser and reasoning_parser kinds
 
 
 class Register(Protocol):
@@ -110,6 +111,16 @@ def register_kv_connectors(register: Register) -> None:
     beyond this engine's cache (``kv_connector: shared_storage``, ``shm``, ``host``)."""
 
 
+@hookspec
+def register_tool_parsers(register: Register) -> None:
+    """Register :class:`~modserve.core.contracts.tool_parser.ToolParser` classes (``tool_call_parser: hermes``)."""
+
+
+@hookspec
+def register_reasoning_parsers(register: Register) -> None:
+    """Register :class:`~modserve.core.contracts.reasoning_parser.ReasoningParser` classes (``reasoning_parser``)."""
+
+
 # kind -> hook name; the registry's single source of the kinds.
 KIND_HOOKS: dict[str, str] = {
     "attention_backend": "register_attention_backends",
@@ -124,4 +135,6 @@ KIND_HOOKS: dict[str, str] = {
     "executor": "register_executors",
     "moe_backend": "register_moe_backends",
     "kv_connector": "register_kv_connectors",
+    "tool_parser": "register_tool_parsers",
+    "reasoning_parser": "register_reasoning_parsers",
 }

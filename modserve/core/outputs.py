@@ -32,15 +32,37 @@ class RequestMetrics:
     first_token_time: float | None = None
     finished_time: float | None = None
     token_times: list[float] = field(default_factory=list)  # when each output token of sample 0 arrived
+    scheduled_time: float | None = None  # when the engine first scheduled it (None: not told)
 
     @property
     def ttft(self) -> float | None:
         return None if self.first_token_time is None else self.first_token_time - self.arrival_time
 
+    # vLLM's request phases (its v1 metrics); None while a time they span is unknown.
+    @property
+    def queue_time(self) -> float | None:
+        return _span(self.arrival_time, self.scheduled_time)
+
+    @property
+    def prefill_time(self) -> float | None:
+        return _span(self.scheduled_time, self.first_token_time)
+
+    @property
+    def decode_time(self) -> float | None:
+        return _span(self.first_token_time, self.token_times[-1] if self.token_times else None)
+
+    @property
+    def inference_time(self) -> float | None:
+        return _span(self.scheduled_time, self.token_times[-1] if self.token_times else None)
+
     @property
     def inter_token_latencies(self) -> list[float]:
         t = self.token_times
         return [b - a for a, b in zip(t, t[1:])]
+
+
+def _span(start: float | None, end: float | None) -> float | None:
+    return None if start is None or end is None else end - start
 
 
 @dataclass(slots=True)

@@ -1,8 +1,9 @@
 """What a front end (the HTTP server) needs of an engine that runs elsewhere.
 
-The engine steps on a thread (or N replica threads) of its own; a client hands it prompts,
+The engine steps in processes of its own (or a thread, or N replicas of either); a client hands it prompts,
 reads their outputs as they come, and checks requests against the engine's limits before
-they go. Implemented by ``modserve.server.async_engine.AsyncEngine`` (one engine) and
+they go. Implemented by ``modserve.server.engine_process.EngineProcess`` (an engine-core
+process), ``modserve.server.async_engine.AsyncEngine`` (an engine in a thread) and
 ``modserve.server.replicas.ReplicaSet`` (data-parallel replicas served as one).
 """
 
@@ -11,6 +12,7 @@ from __future__ import annotations
 from concurrent.futures import Future
 from typing import Any, Protocol
 
+from modserve.core.config import EngineConfig
 from modserve.core.outputs import RequestOutput
 from modserve.core.sampling_params import SamplingParams
 from modserve.core.structured_outputs import GrammarSpec
@@ -40,6 +42,8 @@ class EngineClient(Protocol):
     call waits for the engine's step."""
 
     limits: EngineLimits  # fixed at start-up, so any thread may read it
+    config: EngineConfig  # the engine's (data-parallel rank 0's): what the server reads of it
+    observer: Any  # told about every request's end (the server's metrics); set before start()
 
     def start(self) -> None:
         """Start the engine thread(s), answering on the running event loop."""
@@ -81,9 +85,14 @@ class EngineClient(Protocol):
     async def stats(self) -> dict[str, Any]:
         """The engine's counters and gauges, read between its steps (the last ones once it stopped)."""
 
-    def compile_grammar(self, spec: GrammarSpec) -> Future[CompiledGrammar]:
+    def compile_grammar(self, spec: GrammarSpec) -> Future[CompiledGrammar | None]:
         """Compile a request's constraint on the engine's grammar workers (cached); the Future's
-        exception is a ValueError saying why the spec was refused."""
+        exception is a ValueError saying why the spec was refused (its result, for an engine in
+        another process, is None: the engine finds the compiled grammar in its own cache)."""
+
+    async def call_utility(self, method: str, *args: Any) -> Any:
+        """``engine.<method>(*args)`` run between the engine's steps (``embed``: the pooling
+        runner's), its result or its exception (a ValueError stays one)."""
 
     def stop_compiles(self) -> None:
         """Kill the compiles ``compile_grammar`` started: their Futures fail with CompilerClosed."""

@@ -28,7 +28,7 @@ from modserve.engine.grammar import AUTO, GrammarCompiler, wait_any
 from modserve.engine.grammar_compile import CompiledGrammar
 from modserve.engine.isolation import CulpritIsolation
 from modserve.engine.limits import EngineLimits
-from modserve.engine.output import OutputProcessor, Request, SampleText
+from modserve.engine.output import OutputProcessor, Request, SampleText, stamp_scheduled
 from modserve.engine.preprocess import preprocess_request
 from modserve.engine.scheduler import SchedulerCore, SwapSpace
 from modserve.engine.spec_decode import SpecDecode
@@ -36,10 +36,12 @@ from modserve.engine.tokenizer import Tokenizer
 from modserve.runner.build import build_runner, prepare_rank
 from modserve.runner.kv_cache_size import kv_cache_blocks, swap_blocks
 from modserve.runner.parallel import RanksOutOfStep
+from modserve.runner.pooling import PoolingRunner, resolve_pooler
 from modserve.runner.ranks import start_ranks, stop_ranks
 
 logger = logging.getLogger("modserve")
 WORKER_EXIT_GRACE = 0.5  # seconds, see LLMEngine._worker_failure
+NOT_POOLING = "the model is not served as an embedding model: start it with --runner pooling (runner: pooling)"
 
 
 class LLMEngine:
@@ -62,6 +64,8 @@ class LLMEngine:
         self.executor, tp, pp = start_ranks(config, registry, self.platform)
         try:
             self.runner = build_runner(setup, tp, pp, self.eos_token_ids, progress)
+            self.pooler = PoolingRunner(self.runner, resolve_pooler(config, setup.hf_config)) \
+                if config.runner == "pooling" else None
             self.limits = EngineLimits(self.runner.vocab_size, self.max_model_len, config.max_num_seqs,
                                        config.max_logprobs)
             self._start_kv_and_scheduler(registry)
@@ -189,6 +193,16 @@ class LLMEngine:
                 self.spec.forget(seq)
         return self.outputs.output(req)
 
+    def embed(self, prompts: list[list[int]], normalize: bool | None = None,
+              dimensions: int | None = None) -> list[torch.Tensor]:
+        """Pooling runner: each prompt's vector (float32, CPU). NOTE: runs the model outside
+        step(), so only between steps (LLM.embed, the server's call_utility)."""
+        if self.pooler is None:
+            raise ValueError(NOT_POOLING)
+        for ids in prompts:
+            self.limits.validate_prompt(ids)
+        return self.pooler.embed(prompts, normalize, dimensions)
+
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 
@@ -277,6 +291,7 @@ class LLMEngine:
         failed = self._load_kv(scheduled) if scheduled.kv_loads else []
         if not scheduled.seqs:
             return failed
+        stamp_scheduled(self.requests, scheduled.seqs, time.perf_counter())
         output = self.runner.execute(scheduled)
         for seq in self.scheduler.update(scheduled, output):
             self.spec.forget(seq)

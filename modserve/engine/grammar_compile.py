@@ -21,8 +21,8 @@ START_TIMEOUT_S = 120.0  # a compile worker process's imports and backends, on a
 class CompilerClosed(RuntimeError):
     """A compile that was queued or running when the compiler shut down."""
 
-    def __init__(self) -> None:
-        super().__init__("the grammar compiler was shut down")
+    def __init__(self, message: str = "the grammar compiler was shut down") -> None:
+        super().__init__(message)
 
 
 @dataclass(frozen=True, slots=True)

@@ -127,6 +127,14 @@ class OutputProcessor:
                              prompt_logprobs=req.prompt_logprobs)
 
 
+def stamp_scheduled(requests: Mapping[str, Request], seqs: Collection[Sequence], now: float) -> None:
+    """The first step that schedules a request ends its queue time (vLLM's scheduled_ts)."""
+    for seq in seqs:
+        metrics = requests[seq.request_id].metrics
+        if metrics.scheduled_time is None:
+            metrics.scheduled_time = now
+
+
 def _add_prompt_logprobs(output: ModelOutput, requests: Mapping[str, Request]) -> None:
     for seq, (first, row, num_rows) in output.prompt_seqs.items():
         entries = requests[seq.request_id].prompt_logprobs

@@ -18,6 +18,7 @@ from modserve.core.registry import Registry
 from modserve.runner.loader import checkpoint_dtype, load_hf_config, resolve_max_model_len
 from modserve.runner.model_runner import ModelRunner
 from modserve.runner.parallel import PipelineStage, TensorParallel
+from modserve.runner.pooling import as_pooling_model
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,6 +48,8 @@ def prepare_rank(config: EngineConfig, registry: Registry, rank: int = 0) -> Ran
     platform.prepare_process()
     torch.manual_seed(config.seed)  # unseeded requests draw from the global generator
     hf_config = load_hf_config(config.model)
+    if config.runner == "pooling":
+        as_pooling_model(hf_config)
     max_model_len = resolve_max_model_len(config, hf_config)
     # A partition that cannot be is the config's fault: say so before any worker starts.
     PipelineStage(0, config.pipeline_parallel_size).layers(hf_config.num_hidden_layers, config.pp_layer_partition)

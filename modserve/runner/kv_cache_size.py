@@ -7,6 +7,7 @@ import logging
 
 from modserve.core.config import EngineConfig
 from modserve.runner.model_runner import ModelRunner
+from modserve.runner.pooling import pooling_blocks
 
 logger = logging.getLogger("modserve")
 
@@ -14,7 +15,9 @@ logger = logging.getLogger("modserve")
 def kv_cache_blocks(config: EngineConfig, runner: ModelRunner) -> int:
     """Blocks per rank; a ValueError naming the setting when they cannot hold max_model_len."""
     per_block = runner.kv_bytes_per_block()
-    if config.num_kv_blocks:
+    if config.runner == "pooling":  # one batch of prompts, never a decode: no share of the memory
+        blocks, field = pooling_blocks(config, runner.max_model_len), "runner"
+    elif config.num_kv_blocks:
         blocks, field = config.num_kv_blocks, "num_kv_blocks"
     elif config.kv_cache_memory_gb:
         blocks, field = int(config.kv_cache_memory_gb * 2**30 // per_block), "kv_cache_memory_gb"

@@ -23,9 +23,12 @@ from modserve.server.chat_tokenizer import ChatTokenizer
 from modserve.server.async_engine import DEAD_MESSAGE, AsyncEngine
 from modserve.server.chat import chat_prompt, create_chat_completion
 from modserve.server.completions import create_completion
+from modserve.server.embeddings import add_embedding_routes, refuse_generate
 from modserve.server.errors import APIError, from_validation_error, invalid
 from modserve.server.grammar_bounds import GrammarBounds
-from modserve.server.metrics import ServerMetrics
+from modserve.server.generate import add_generate_routes
+from modserve.server.metrics import ServerMetrics, server_metrics
+from modserve.server.vllm_metrics import VllmMetrics
 from modserve.server.model_names import served_names
 from modserve.server.openapi import PROTECTED_PREFIXES, declare_errors
 from modserve.server.replicas import ReplicaSet
@@ -43,23 +46,28 @@ logger = logging.getLogger("modserve.server")
 # /health, /version and /metrics stay open: probes and scrapers don't carry keys.
 
 
-def create_app(engine: LLMEngine | Sequence[LLMEngine], api_key: str | None = None,
+def create_app(engine: LLMEngine | Sequence[LLMEngine] | EngineClient, api_key: str | None = None,
                generation_defaults: GenerationDefaults | None = None) -> FastAPI:
-    """An app serving ``engine``; the engine thread starts and stops with the app's lifespan.
+    """An app serving ``engine``, which starts and stops with the app's lifespan: an EngineClient
+    (engine-core processes: engine_process.py, or a ReplicaSet of them), or LLMEngines to step
+    in a thread of this process.
 
     Several engines (data parallelism: replicas of one config, :func:`replicas.build_engines`)
     are served as one, each request routed to one of them by ``data_parallel_routing``.
     ``generation_defaults``: the model's sampling defaults, if already read (else read here)."""
-    engines = [engine] if isinstance(engine, LLMEngine) else list(engine)
-    engine = engines[0]
-    config = engine.config
-    metrics = ServerMetrics()
-    async_engine: EngineClient = AsyncEngine(engine, observer=metrics) if len(engines) == 1 \
-        else ReplicaSet(engines, observer=metrics)
+    if isinstance(engine, LLMEngine) or isinstance(engine, (list, tuple)):
+        engines = [engine] if isinstance(engine, LLMEngine) else list(engine)
+        async_engine: EngineClient = AsyncEngine(engines[0]) if len(engines) == 1 else ReplicaSet(engines)
+    else:
+        async_engine = engine
+    config = async_engine.config
     max_model_len = async_engine.limits.max_model_len
     tokenizer_path = config.tokenizer or config.model
     template = config.chat_template_text()
     names, hidden_names = served_names(config)
+    num_engines = len(async_engine) if isinstance(async_engine, ReplicaSet) else 1
+    metrics = server_metrics(config.metrics_naming, names[0], max_model_len, num_engines)
+    async_engine.observer = metrics  # before start()
     state = ServerState(
         engine=async_engine,
         tokenizer=ChatTokenizer(tokenizer_path, config.model, template),
@@ -75,6 +83,7 @@ def create_app(engine: LLMEngine | Sequence[LLMEngine], api_key: str | None = No
         max_response_bytes=config.max_response_bytes,
         allow_special_tokens_in_content=config.allow_special_tokens_in_content,
         generation_defaults=generation_defaults or GenerationDefaults.of(config),
+        on_submit=metrics.request_started,
     )
 
     @asynccontextmanager
@@ -101,17 +110,21 @@ def create_app(engine: LLMEngine | Sequence[LLMEngine], api_key: str | None = No
     app.add_middleware(HTTPHygieneMiddleware)  # outermost: an ambiguous request is read no further
     _add_error_handlers(app)
     _add_routes(app, state, metrics)
+    add_embedding_routes(app, state, async_engine)  # /v1/embeddings: a 400 unless the runner is pooling
+    add_generate_routes(app, state)  # vLLM's token-in/token-out /inference/v1/generate, and /load
     declare_errors(app)
     return app
 
 
-def _add_routes(app: FastAPI, state: ServerState, metrics: ServerMetrics) -> None:
+def _add_routes(app: FastAPI, state: ServerState, metrics: ServerMetrics | VllmMetrics) -> None:
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
+        refuse_generate(app, "/v1/completions")
         return await create_completion(body, state, request)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        refuse_generate(app, "/v1/chat/completions")
         return await create_chat_completion(body, state, request)
 
     @app.get("/v1/models")

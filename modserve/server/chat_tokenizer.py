@@ -8,7 +8,9 @@ pieces of the rendered text that came from content are encoded with special toke
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from tokenizers import AddedToken
 from tokenizers import Tokenizer as RustTokenizer
@@ -19,6 +21,18 @@ from modserve.engine.tokenizer import Tokenizer
 _PLACEHOLDER = "\ue000{}\ue001"
 _PLACEHOLDER_RE = re.compile("\ue000([0-9]+)\ue001")
 _MARK = "\ue002modserve-split\ue003"
+
+
+@dataclass(slots=True)
+class TemplateInputs:
+    """What a request hands the chat template beside its messages, as transformers'
+    ``apply_chat_template(messages, tools=, documents=, chat_template=, **kwargs)`` takes it."""
+
+    tools: list[dict[str, Any]] | None = None
+    documents: list[dict[str, str]] | None = None
+    chat_template: str | None = None  # the request's own, instead of the tokenizer's
+    continue_final_message: bool = False
+    kwargs: dict[str, Any] = field(default_factory=dict)  # chat_template_kwargs, reasoning_effort
 
 
 class ChatTokenizer(Tokenizer):
@@ -43,8 +57,21 @@ class ChatTokenizer(Tokenizer):
         self._split.add_tokens([AddedToken(_MARK, normalized=False, special=False)])
         self._mark_id = self._split.token_to_id(_MARK)
 
-    def encode_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool = True,
-                    special_tokens_in_content: bool = False) -> list[int]:
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                            inputs: TemplateInputs | None = None) -> str:
+        inputs = inputs or TemplateInputs()
+        if not (inputs.chat_template or self.hf.chat_template):
+            raise ValueError("this tokenizer has no chat template; use completions with a plain prompt")
+        try:
+            return self.hf.apply_chat_template(
+                messages, tools=inputs.tools, documents=inputs.documents, chat_template=inputs.chat_template,
+                add_generation_prompt=add_generation_prompt, continue_final_message=inputs.continue_final_message,
+                tokenize=False, **inputs.kwargs)
+        except Exception as e:  # the template is the request's (or fails on its messages): say why
+            raise ValueError(f"the chat template failed on these messages: {type(e).__name__}: {e}") from None
+
+    def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                    special_tokens_in_content: bool = False, inputs: TemplateInputs | None = None) -> list[int]:
         """Prompt ids for a conversation, rendered by the chat template.
 
         Special tokens the template writes are control tokens; special-token text inside
@@ -55,12 +82,17 @@ class ChatTokenizer(Tokenizer):
         there is no chat template, or when the template rewrites content in a way that
         hides where it lies and some content holds special-token text.
         """
-        text = self.apply_chat_template(messages, add_generation_prompt)
+        text = self.apply_chat_template(messages, add_generation_prompt, inputs)
         if special_tokens_in_content:
             return self.encode(text, add_special_tokens=False)
+        # NOTE: strings deeper than a message's own fields (tools, tool calls, documents, template
+        # kwargs) are rendered as the template likes, so they are not mapped: refuse forged tokens there.
+        for value in _nested_strings(messages, inputs):
+            if self.special_ids.intersection(self.encode(value, add_special_tokens=False)):
+                raise ValueError("tools, tool calls, documents or chat_template_kwargs hold special-token text")
         enc = self.hf(text, add_special_tokens=False, return_offsets_mapping=True)
         ids, offsets = list(enc["input_ids"]), list(enc["offset_mapping"])
-        spans = self._content_spans(messages, add_generation_prompt, text)
+        spans = self._content_spans(messages, add_generation_prompt, text, inputs)
         if spans is None:
             # Fallback: the template rewrote content beyond a strip(), so we can't tell its
             # special tokens from the template's. Contents free of special-token text are
@@ -114,8 +146,8 @@ class ChatTokenizer(Tokenizer):
         assert marked[0] == self._mark_id, "the split marker must encode as its own token"
         return marked[1:]
 
-    def _content_spans(self, messages: list[dict[str, str]], add_generation_prompt: bool,
-                       text: str) -> list[tuple[int, int]] | None:
+    def _content_spans(self, messages: list[dict[str, Any]], add_generation_prompt: bool,
+                       text: str, inputs: TemplateInputs | None = None) -> list[tuple[int, int]] | None:
         """Where each message string lies in ``text``, the rendered conversation.
 
         Renders once more with every string replaced by a numbered placeholder, then
@@ -131,7 +163,7 @@ class ChatTokenizer(Tokenizer):
 
         holed = [{k: hole(v) if isinstance(v, str) and k != "role" else v for k, v in m.items()} for m in messages]
         try:
-            parts = _PLACEHOLDER_RE.split(self.apply_chat_template(holed, add_generation_prompt))
+            parts = _PLACEHOLDER_RE.split(self.apply_chat_template(holed, add_generation_prompt, inputs))
         except Exception:  # a template may reject a placeholder: then we can't map
             return None
         spans, pos = [], 0
@@ -151,5 +183,20 @@ class ChatTokenizer(Tokenizer):
         return spans if text[pos:] == parts[-1] else None
 
 
-def _strings(messages: list[dict[str, str]]) -> list[str]:
+def _strings(messages: list[dict[str, Any]]) -> list[str]:
     return [v for m in messages for k, v in m.items() if isinstance(v, str) and k != "role"]
+
+
+def _nested_strings(messages: list[dict[str, Any]], inputs: TemplateInputs | None) -> list[str]:
+    """Every string (keys too) not a message's own field: ``_content_spans`` does not map these."""
+    def walk(value: Any) -> list[str]:
+        if isinstance(value, str):
+            return [value]
+        if isinstance(value, dict):
+            return [s for k, v in value.items() for s in walk(k) + walk(v)]
+        return [s for v in value for s in walk(v)] if isinstance(value, (list, tuple)) else []
+
+    found = [s for m in messages for v in m.values() if not isinstance(v, str) for s in walk(v)]
+    if inputs is not None:
+        found += walk([inputs.tools or [], inputs.documents or [], inputs.kwargs])
+    return found

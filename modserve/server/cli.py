@@ -5,7 +5,11 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from modserve.core.config import EngineConfig
+    from modserve.engine.client import EngineClient
 
 logger = logging.getLogger("modserve.server")
 
@@ -34,11 +38,9 @@ def add_parsers(subparsers: Any) -> None:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from modserve.cli import config_from_args
-    from modserve.engine.engine import LLMEngine
     from modserve.generation_defaults import GenerationDefaults
     from modserve.server.app import create_app
     from modserve.server.demo import use_demo_model
-    from modserve.server.replicas import build_engines
     from modserve.server.run import run
 
     if not args.config and args.cfg_model is None and args.model_tag is None:
@@ -54,20 +56,46 @@ def cmd_serve(args: argparse.Namespace) -> int:
         logger.warning("listening on %s only (vLLM binds every interface): pass --host 0.0.0.0 to be reachable "
                        "from other machines or from outside a container", host)
     defaults = GenerationDefaults.of(config)  # read before the model loads: a bad file fails at once
-    # data_parallel_size > 1: that many engines of this config (replicas.replica_config), one app
-    engines = build_engines(config, lambda replica: LLMEngine(replica, progress=False))
-    app = None
+    engine = engine_client(config, args)
     try:
-        app = create_app(engines, api_key=api_key, generation_defaults=defaults)
+        app = create_app(engine, api_key=api_key, generation_defaults=defaults)
         access_log = not getattr(args, "vllm_disable_uvicorn_access_log", None)
-        run(app, host, port, args.log_level, api_key, config, access_log=access_log)
-    finally:  # drained and stopped, or failed to start: no tensor-parallel worker outlives the server
-        if app is not None:
-            app.state.server.engine.shutdown_engine()
-        else:
-            for engine in engines:
-                engine.shutdown()
-    return 0
+        return run(app, host, port, args.log_level, api_key, config, access_log=access_log)
+    finally:  # drained and stopped, or failed to start: no engine process outlives the server
+        engine.stop()
+        engine.shutdown_engine()
+
+
+def engine_client(config: EngineConfig, args: argparse.Namespace) -> EngineClient:
+    """The engine(s) the server talks to: one engine-core process per data-parallel rank (each
+    of tensor x pipeline parallel ranks), or, with vLLM's --disable-frontend-multiprocessing,
+    engines stepping in threads of this process. --data-parallel-rank N serves that rank alone."""
+    from modserve.engine.engine import LLMEngine
+    from modserve.server.async_engine import AsyncEngine
+    from modserve.server.engine_process import start_engine_processes
+    from modserve.server.replicas import ReplicaSet, replica_configs
+
+    configs = replica_configs(config)
+    rank = getattr(args, "vllm_data_parallel_rank", None)
+    if rank is not None:  # external load balancing: this server is one rank of the set
+        if not 0 <= rank < config.data_parallel_size:
+            raise SystemExit(f"--data-parallel-rank {rank} is not a rank of --data-parallel-size "
+                             f"{config.data_parallel_size}")
+        configs = [configs[rank]]
+    if getattr(args, "vllm_disable_frontend_multiprocessing", None):
+        engines: list[Any] = []
+        try:
+            for c in configs:  # one after the other: each sizes its KV cache on what is left
+                engines.append(LLMEngine(c, progress=False))
+        except BaseException:
+            for e in engines:
+                e.shutdown()
+            raise
+    else:
+        engines = start_engine_processes(configs)
+    if len(engines) > 1:
+        return ReplicaSet(engines)
+    return engines[0] if not isinstance(engines[0], LLMEngine) else AsyncEngine(engines[0])
 
 
 def env_api_key() -> str | None:

@@ -13,6 +13,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from modserve.core.outputs import RequestOutput
+from modserve.core.sampling_params import SamplingParams
+from modserve.server.vllm_metrics import VllmMetrics
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0,
                     40.0, 80.0)
@@ -148,6 +150,21 @@ def _per_replica(replicas: list[dict[str, Any]], routing: dict[str, Any]) -> Ite
                               value=float(routing.get("matched_blocks", 0)))
 
 
+# (name, RequestMetrics property, help) of the request phases, as vLLM's v1 metrics define them.
+_PHASES = (
+    ("queue", "queue_time", "Arrival to when the engine first scheduled the request"),
+    ("prefill", "prefill_time", "First scheduled to first token"),
+    ("decode", "decode_time", "First token to last token"),
+    ("inference", "inference_time", "First scheduled to last token (prefill plus decode)"),
+)
+
+
+def server_metrics(naming: str, model_name: str, max_model_len: int,
+                   num_engines: int = 1) -> ServerMetrics | VllmMetrics:
+    """The registry for ``metrics_naming``: modserve's families, or vLLM's (vllm_metrics.py)."""
+    return VllmMetrics(model_name, max_model_len, num_engines) if naming == "vllm" else ServerMetrics()
+
+
 class ServerMetrics:
     """The app's registry; also the AsyncEngine's RequestObserver."""
 
@@ -161,6 +178,9 @@ class ServerMetrics:
                              buckets=_ITL_BUCKETS, registry=self.registry)
         self.e2e = Histogram("modserve_e2e_request_latency_seconds", "Arrival to last token",
                              buckets=_LATENCY_BUCKETS, registry=self.registry)
+        # vLLM's request phases (RequestMetrics): observed once the engine marks when it scheduled a request.
+        self.phases = [(Histogram(f"modserve_request_{name}_time_seconds", doc, buckets=_LATENCY_BUCKETS,
+                                  registry=self.registry), attr) for name, attr, doc in _PHASES]
         self.finished = Counter("modserve_requests_finished", "Requests ended, by finish reason "
                                 "(stop, length, abort, error; stalled: a stream its client did not read "
                                 "for stream_stall_timeout); per sample when n > 1",
@@ -174,8 +194,14 @@ class ServerMetrics:
             self.itl.observe(gap)
         if m.finished_time is not None:
             self.e2e.observe(m.finished_time - m.arrival_time)
+        for histogram, attr in self.phases:
+            if (value := getattr(m, attr)) is not None:
+                histogram.observe(value)
         for c in output.outputs:
             self.finished.labels(c.finish_reason or "unknown").inc()
+
+    def request_started(self, request_ids: list[str], params: SamplingParams) -> None:
+        pass  # vLLM's naming keeps each request's max_tokens; this one has no use for it
 
     def request_ended_early(self, reason: str) -> None:
         self.finished.labels(reason).inc()

@@ -15,6 +15,7 @@ from fastapi import FastAPI
 from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
+from modserve.server.generate import GenerateResponse, GenerateStreamResponse
 from modserve.server.protocol import ChatCompletionChunk, ChatCompletionResponse, CompletionResponse
 
 _REF = "#/components/schemas/{model}"
@@ -38,14 +39,15 @@ _ERROR_RESPONSE: dict[str, Any] = {
     },
 }
 
-# The routes an API key guards (every one but /health, /metrics, /version and the docs).
-PROTECTED_PREFIXES = ("/v1/", "/tokenize", "/detokenize")
+# The routes an API key guards (every one but /health, /metrics, /version, /load and the docs).
+PROTECTED_PREFIXES = ("/v1/", "/tokenize", "/detokenize", "/inference/")
 
 # Route -> (its JSON body, one event of its stream). An event's data is a chunk, an
 # error met mid-stream, or the closing "[DONE]".
 _GENERATION: dict[str, tuple[type[BaseModel], type[BaseModel]]] = {
     "/v1/completions": (CompletionResponse, CompletionResponse),
     "/v1/chat/completions": (ChatCompletionResponse, ChatCompletionChunk),
+    "/inference/v1/generate": (GenerateResponse, GenerateStreamResponse),
 }
 
 Operation = dict[str, Any]

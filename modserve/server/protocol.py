@@ -8,6 +8,7 @@ an integer). ``None`` means "the default" everywhere, because clients send expli
 
 from __future__ import annotations
 
+import json
 import time
 from typing import Annotated, Any, Literal, Mapping
 
@@ -220,15 +221,75 @@ class TextPart(Strict):
     text: str
 
 
-class ChatMessage(Strict):
-    role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart]
-    name: str | None = None
+# Content parts of other modalities: refused by name (a text-only model), never as a shape error.
+OTHER_PARTS = ("image_url", "input_audio", "audio_url", "video_url", "file", "input_image", "image", "audio")
 
-    def as_template_input(self) -> dict[str, str]:
-        text = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+
+class FunctionCall(Strict):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCallIn(Strict):
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class ChatMessage(Strict):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None  # None: an assistant turn of tool calls only
+    name: str | None = None
+    tool_calls: list[ToolCallIn] | None = None  # assistant
+    tool_call_id: str | None = None  # tool
+    reasoning_content: str | None = None  # an assistant turn's, as returned with a reasoning parser
+
+    def text(self) -> str | None:
+        return self.content if not isinstance(self.content, list) else "".join(p.text for p in self.content)
+
+    def as_template_input(self) -> dict[str, Any]:
         # "developer" is OpenAI's newer name for the system role.
-        return {"role": "system" if self.role == "developer" else self.role, "content": text}
+        out: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role, "content": self.text()}
+        if self.name is not None:
+            out["name"] = self.name
+        for key in ("tool_call_id", "reasoning_content"):  # Qwen3's template reads reasoning_content
+            if getattr(self, key) is not None:
+                out[key] = getattr(self, key)
+        if self.tool_calls:
+            # As vLLM: templates read the arguments as a mapping (Qwen's writes them with tojson).
+            out["tool_calls"] = [{"id": c.id, "type": "function", "function": {
+                "name": c.function.name, "arguments": _arguments(c.function.arguments)}} for c in self.tool_calls]
+        elif out["content"] is None:
+            out["content"] = ""
+        return out
+
+
+def _arguments(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text  # the template gets what the client sent
+
+
+class FunctionDefinition(Strict):
+    name: str = Field(min_length=1)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(Strict):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(Strict):
+    name: str
+
+
+class NamedToolChoice(Strict):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class ChatCompletionRequest(SamplingRequest):
@@ -237,12 +298,47 @@ class ChatCompletionRequest(SamplingRequest):
     max_completion_tokens: int | None = Field(None, ge=1, le=INT64_MAX)
     logprobs: bool = False
     top_logprobs: NumLogprobs | None = None
-    add_generation_prompt: bool = True
+    add_generation_prompt: bool | None = None  # None: true, or false with continue_final_message
+    # tool calling (server/tool_calls.py) and the chat template's extra inputs
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+    continue_final_message: bool | None = None
+    documents: list[dict[str, str]] | None = None
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    reasoning_effort: Literal["low", "medium", "high"] | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _text_content_only(cls, data: Any) -> Any:
+        messages = data.get("messages") if isinstance(data, dict) else None
+        for i, m in enumerate(messages if isinstance(messages, list) else []):
+            parts = m.get("content") if isinstance(m, dict) else None
+            for j, part in enumerate(parts if isinstance(parts, list) else []):
+                kind = part.get("type") if isinstance(part, dict) else None
+                if kind in OTHER_PARTS:
+                    raise invalid(f"messages.{i}.content.{j}", f"{kind} content is not supported: this server "
+                                  "serves text-only models (text parts only)")
+        return data
 
     def check(self) -> None:
         super().check()
         if self.top_logprobs and not self.logprobs:
             raise invalid("top_logprobs", "requires logprobs to be true")
+        if self.continue_final_message and self.add_generation_prompt:
+            raise invalid("continue_final_message", "cannot be combined with add_generation_prompt: true")
+        if self.continue_final_message and self.messages[-1].role != "assistant":
+            raise invalid("continue_final_message", "needs an assistant message last, to continue")
+        for i, m in enumerate(self.messages):
+            if m.content is None and not (m.role == "assistant" and m.tool_calls):
+                raise invalid(f"messages.{i}.content", "is required (only an assistant turn with tool_calls "
+                              "may leave it null)")
+
+    @property
+    def generation_prompt(self) -> bool:
+        return self.add_generation_prompt if self.add_generation_prompt is not None \
+            else not self.continue_final_message
 
     @property
     def max_new_tokens(self) -> int | None:
@@ -322,9 +418,34 @@ class ChatLogprobs(BaseModel):
     content: list[ChatTokenLogprob] | None = None
 
 
+class FunctionCallOut(BaseModel):
+    name: str
+    arguments: str
+
+
+class ToolCallOut(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCallOut
+
+
+class DeltaFunctionCall(BaseModel):
+    name: str | None = Field(None, **_omit_none)
+    arguments: str | None = Field(None, **_omit_none)
+
+
+class DeltaToolCall(BaseModel):
+    index: int
+    id: str | None = Field(None, **_omit_none)  # first chunk of a call: its id, type and name
+    type: Literal["function"] | None = Field(None, **_omit_none)
+    function: DeltaFunctionCall
+
+
 class ChatMessageOut(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
+    reasoning_content: str | None = Field(None, **_omit_none)  # vLLM's, with a reasoning parser
+    tool_calls: list[ToolCallOut] | None = Field(None, **_omit_none)
 
 
 class ChatChoice(BaseModel):
@@ -349,6 +470,8 @@ class ChatCompletionResponse(BaseModel):
 class DeltaMessage(BaseModel):
     role: Literal["assistant"] | None = Field(None, **_omit_none)
     content: str | None = Field(None, **_omit_none)
+    reasoning_content: str | None = Field(None, **_omit_none)
+    tool_calls: list[DeltaToolCall] | None = Field(None, **_omit_none)
 
 
 class ChatChunkChoice(BaseModel):
@@ -404,3 +527,43 @@ class DetokenizeRequest(TextChecked, Strict):
 
 class DetokenizeResponse(BaseModel):
     prompt: str
+
+
+class EmbeddingRequest(TextChecked, Strict):
+    """OpenAI's embeddings request, and vLLM's ``add_special_tokens``."""
+
+    model: str | None = None
+    input: Any
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = None  # a Matryoshka model's leading part; any other model: 400
+    user: str | None = None
+    add_special_tokens: bool = True
+
+    @field_validator("input")
+    @classmethod
+    def _input_shape(cls, value: Any) -> Prompt:
+        return CompletionRequest._prompt_shape(value)
+
+    def inputs(self) -> list[str | list[int]]:
+        p = self.input
+        return [p] if isinstance(p, str) or isinstance(p[0], int) else list(p)
+
+
+class EmbeddingData(BaseModel):
+    object: Literal["embedding"] = "embedding"
+    index: int
+    embedding: list[float] | str  # str: base64 of little-endian float32, as OpenAI's encoding_format
+
+
+class EmbeddingUsage(BaseModel):
+    prompt_tokens: int
+    total_tokens: int
+
+
+class EmbeddingResponse(BaseModel):
+    id: str
+    object: Literal["list"] = "list"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    data: list[EmbeddingData]
+    usage: EmbeddingUsage

@@ -30,7 +30,8 @@ from modserve.engine.client import EngineClient
 from modserve.engine.engine import LLMEngine
 from modserve.engine.grammar_compile import CompiledGrammar
 from modserve.core.sampling_params import SamplingParams
-from modserve.server.async_engine import AsyncEngine, EngineDead, RequestObserver, RequestStream
+from modserve.server.async_engine import AsyncEngine
+from modserve.server.engine_frontend import EngineDead, EngineFrontend, RequestObserver, RequestStream
 
 logger = logging.getLogger("modserve.server")
 
@@ -89,6 +90,12 @@ def build_engines(config: EngineConfig, make: Callable[[EngineConfig], LLMEngine
                 shutdown()
         raise
     return engines
+
+
+def replica_configs(config: EngineConfig) -> list[EngineConfig]:
+    """Each data-parallel rank's config (one per engine-core process)."""
+    n = config.data_parallel_size
+    return [config] if n == 1 else [replica_config(config, i) for i in range(n)]
 
 
 # -- routing ------------------------------------------------------------------------------------------
@@ -194,19 +201,31 @@ class Router:
 class ReplicaSet(EngineClient):
     """N AsyncEngines behind the interface of one (see the module's docstring)."""
 
-    def __init__(self, engines: Sequence[LLMEngine], observer: RequestObserver | None = None,
+    def __init__(self, engines: Sequence[LLMEngine | EngineFrontend], observer: RequestObserver | None = None,
                  routing: Routing | None = None, balance_slack: int | None = None) -> None:
+        """``engines``: engine-core processes' clients (EngineProcess), or LLMEngines to step in
+        threads of this process (each wrapped in an AsyncEngine)."""
         if not engines:
             raise ValueError("a ReplicaSet needs at least one engine")
-        config = engines[0].config
         # Replica i's request ids read ``req-r<i>-...``: unique across the set, so an abort by
         # id reaches only the replica holding the request.
-        self.replicas = [AsyncEngine(e, observer, id_prefix=f"r{i}-") for i, e in enumerate(engines)]
-        self.limits = engines[0].limits  # replicas of one config: the same limits
-        # The allocators are read here, before any engine thread runs.
-        self.router = Router(config.block_size, [e.allocator.num_blocks for e in engines],
+        self.replicas: list[EngineFrontend] = [e if isinstance(e, EngineFrontend) else
+                                               AsyncEngine(e, observer, id_prefix=f"r{i}-")
+                                               for i, e in enumerate(engines)]
+        self.config = config = self.replicas[0].config
+        self.limits = self.replicas[0].limits  # replicas of one config: the same limits
+        self.router = Router(config.block_size, [r.num_kv_blocks for r in self.replicas],
                              routing or config.data_parallel_routing,
                              balance_slack if balance_slack is not None else config.max_num_seqs)
+
+    @property
+    def observer(self) -> RequestObserver | None:
+        return self.replicas[0].observer
+
+    @observer.setter
+    def observer(self, observer: RequestObserver | None) -> None:
+        for r in self.replicas:
+            r.observer = observer
 
     @property
     def routing(self) -> str:
@@ -300,6 +319,13 @@ class ReplicaSet(EngineClient):
     def stop_compiles(self) -> None:
         self.replicas[0].stop_compiles()
 
+    async def call_utility(self, method: str, *args: Any) -> Any:
+        """On the live replica with the fewest requests in flight."""
+        live = [r for r in self.replicas if r.alive]
+        if not live:
+            raise EngineDead("no engine replica is running")
+        return await min(live, key=lambda r: r.num_in_flight).call_utility(method, *args)
+
     async def stats(self) -> dict[str, Any]:
         """The replicas' engine.stats() summed (kv_usage recomputed from the sums), with each
         replica's own (plus ``alive``) under ``replicas`` and the router's under ``routing``."""
@@ -316,7 +342,9 @@ def sum_stats(per: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     total: dict[str, Any] = {}
     for stats in per:
         for key, value in stats.items():
-            if isinstance(value, (int, float)) and not isinstance(value, bool):
+            if key == "stats_age_s":  # how old the oldest replica's figures are
+                total[key] = max(total.get(key, 0.0), value)
+            elif isinstance(value, (int, float)) and not isinstance(value, bool):
                 total[key] = total.get(key, 0) + value
             elif key == "expert_tokens":  # {layer: [tokens per expert]}, summed expert by expert
                 mine = total.setdefault(key, {})

@@ -21,6 +21,7 @@ from modserve.server.serving import ServerState
 logger = logging.getLogger("modserve.server")
 # Streams cut at the drain timeout still send their error event and [DONE]: this long.
 FLUSH_SECONDS = 5.0
+ENGINE_WATCH_S = 0.2  # how often the server looks whether its engine died
 
 
 class HeaderTimeoutH11Protocol(H11Protocol):
@@ -63,18 +64,42 @@ class HeaderTimeoutH11Protocol(H11Protocol):
 
 
 class Server(uvicorn.Server):
-    """uvicorn's server with a banner, a drain on shutdown, and exit status 0 after it."""
+    """uvicorn's server with a banner, a drain on shutdown, and exit status 0 after it; or,
+    once the engine died (``exit_on_engine_death``), a drain of what still runs and status 1."""
 
-    def __init__(self, config: uvicorn.Config, banner: str, state: ServerState, shutdown_timeout: float) -> None:
+    def __init__(self, config: uvicorn.Config, banner: str, state: ServerState, shutdown_timeout: float,
+                 exit_on_engine_death: bool = True) -> None:
         super().__init__(config)
         self.banner = banner
         self.state = state
         self.shutdown_timeout = shutdown_timeout
+        self.exit_on_engine_death = exit_on_engine_death
+        self.exit_code = 0
 
     async def startup(self, sockets: Any = None) -> None:
         await super().startup(sockets)
         if self.started:
             print(self.banner, flush=True)
+            if self.exit_on_engine_death:
+                self._watch = asyncio.create_task(self._exit_once_engine_dies())
+
+    async def _exit_once_engine_dies(self) -> None:
+        engine = self.state.engine
+        while engine.dead_reason is None and not self.should_exit:
+            await asyncio.sleep(ENGINE_WATCH_S)
+        if engine.dead_reason is None or self.should_exit:
+            return
+        logger.error("the engine died (%s): draining the requests still running, then exiting with status 1 "
+                     "(exit_on_engine_death)", engine.dead_reason)
+        # Still listening while the other replicas finish: /health says 503, /metrics answers,
+        # new requests get a 503.
+        self.state.draining = True
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.shutdown_timeout
+        while engine.num_in_flight and loop.time() < deadline and not self.should_exit:
+            await asyncio.sleep(ENGINE_WATCH_S)
+        self.exit_code = 1
+        self.should_exit = True
 
     async def shutdown(self, sockets: Any = None) -> None:
         # uvicorn closes the listener at once and then waits for open connections;
@@ -117,14 +142,18 @@ class Server(uvicorn.Server):
 
 
 def run(app: FastAPI, host: str, port: int, log_level: str, api_key: str | None, config: EngineConfig,
-        access_log: bool = True) -> None:
+        access_log: bool = True) -> int:
+    """Serve until told to stop; the process's exit status (1 once the engine died)."""
     protocol = type("HeaderTimeoutH11Protocol", (HeaderTimeoutH11Protocol,),
                     {"header_timeout": config.request_read_timeout})
     uv_config = uvicorn.Config(app, host=host, port=port, log_level=log_level.lower(), http=protocol,
                                access_log=access_log,
                                timeout_graceful_shutdown=int(config.shutdown_timeout + FLUSH_SECONDS) + 1)
     state: ServerState = app.state.server
-    Server(uv_config, banner(host, port, state.model_name, api_key), state, config.shutdown_timeout).run()
+    server = Server(uv_config, banner(host, port, state.model_name, api_key), state, config.shutdown_timeout,
+                    config.exit_on_engine_death)
+    server.run()
+    return server.exit_code
 
 
 def banner(host: str, port: int, model: str, api_key: str | None) -> str:

@@ -15,7 +15,7 @@ from pydantic import BaseModel
 
 from modserve.core.outputs import CompletionOutput, RequestOutput
 from modserve.core.sampling_params import SamplingParams
-from modserve.server.chat_tokenizer import ChatTokenizer
+from modserve.server.chat_tokenizer import ChatTokenizer, TemplateInputs
 from modserve.engine.grammar_compile import START_TIMEOUT_S, CompilerClosed
 from modserve.engine.grammar import timeout_message
 from modserve.engine.client import EngineClient, OutputStream
@@ -30,6 +30,7 @@ from modserve.server.protocol import Usage
 from modserve.server.request_limits import RequestLimits
 from modserve.server.response_size import ResponseBound
 from modserve.server.tokenizer_pool import TokenizerPool
+from modserve.server.tool_calls import ParserSettings
 
 SSE_DONE = "data: [DONE]\n\n"
 # A large non-streamed answer goes out in pieces of this size (see ServerState.json_response).
@@ -78,9 +79,13 @@ class ServerState:
     # cannot fit, and is refused before it is tokenized.
     max_token_chars: int = 0
     compiles_in_flight: int = 0  # requests waiting for their constraint to compile
+    # Told of each submit's request ids and settings (the metrics: vLLM's request_params_max_tokens)
+    on_submit: Callable[[list[str], SamplingParams], None] | None = None
     response_bound: ResponseBound = field(init=False)  # a non-streamed response's size, before it runs
+    parsers: ParserSettings = field(init=False)  # chat's tool and reasoning parsers (tool_calls.py)
 
     def __post_init__(self) -> None:
+        self.parsers = ParserSettings.of(self.engine.config)  # an unknown parser fails at start
         vocab = self.tokenizer.hf.get_vocab()
         self.max_token_chars = max(len(t) for t in vocab)
         self.response_bound = ResponseBound.of(self.max_response_bytes, vocab)
@@ -99,12 +104,13 @@ class ServerState:
         self.check_length(len(text), param)
         return await self.pool.run(lambda tok: tok.encode(text, add_special_tokens=add_special_tokens))
 
-    async def encode_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool) -> list[int]:
-        self.check_length(sum(len(m["content"]) for m in messages), "messages")
+    async def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool,
+                          inputs: TemplateInputs | None = None) -> list[int]:
+        self.check_length(sum(len(m["content"] or "") for m in messages), "messages")
         allow = self.allow_special_tokens_in_content
         try:
-            return await self.pool.run(lambda tok: tok.encode_chat(messages, add_generation_prompt, allow))
-        except ValueError as e:  # no template
+            return await self.pool.run(lambda tok: tok.encode_chat(messages, add_generation_prompt, allow, inputs))
+        except ValueError as e:  # no template, a template that fails, forged special tokens
             raise invalid("messages", str(e)) from None
 
     async def decode(self, token_ids: list[int]) -> str:
@@ -164,9 +170,12 @@ class ServerState:
                            f"(max_waiting_requests={self.max_waiting_requests}). Retry shortly.",
                            type="server_error", code="server_overloaded", headers={"Retry-After": "1"})
         try:
-            return self.engine.submit(prompts, params, arrival, priority)
+            stream = self.engine.submit(prompts, params, arrival, priority)
         except EngineDead as e:
             raise APIError(503, str(e), type="server_error", code="engine_dead") from None
+        if self.on_submit is not None:
+            self.on_submit(stream.request_ids, params)
+        return stream
 
     async def compile_grammar(self, params: SamplingParams, param: str | None) -> None:
         """Compile the request's constraint before it is queued (off the event loop, on the

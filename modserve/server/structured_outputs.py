@@ -80,6 +80,10 @@ class ConstraintFields(_Strict):
             except Exception as e:  # any parser of client input: a 400 naming the field, never a 500
                 raise invalid(param, f"could not be read ({type(e).__name__})") from None
 
+    def enforce(self, param: str, constraint: StructuredOutputs) -> None:
+        """A constraint the server derives from another field (tool_choice), as if it were given."""
+        self._constraint = (param, constraint)
+
     @property
     def constraint(self) -> StructuredOutputs | None:
         return self._constraint[1] if self._constraint else None

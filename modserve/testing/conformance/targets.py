@@ -27,6 +27,8 @@ KIT_MODULES: dict[str, str] = {
     "proposer": "test_proposer",
     "executor": "test_executor",
     "kv_connector": "test_kv_connector",
+    "tool_parser": "test_tool_parser",
+    "reasoning_parser": "test_reasoning_parser",
 }
 
 

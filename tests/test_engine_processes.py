@@ -1,0 +1,199 @@
+"""The engine in processes of its own (modserve/engine/core_process.py, server/engine_process.py).
+
+Real `modserve serve` processes, the official openai client, real signals:
+- `-dp 2`: two engine-core processes answer as one engine does; /health and /metrics answer
+  at once while both step; `kill -9` of one core fails its stream and lets the other's
+  finish, then the server drains and exits 1 (exit_on_engine_death) leaving no process.
+- `SIGSTOP` of an engine core mid-stream: the client gets an OpenAI-shaped error within the
+  step deadline and the server exits 1; the stopped core is killed, nothing is left.
+- `SIGSTOP` of a tensor-parallel worker (the core's step hangs in a collective) with
+  --no-exit-on-engine-death: the error within the deadline, /health 503 naming the hung
+  step, /metrics still under a second, and SIGTERM then leaves nothing.
+- `kill -9` of the server: its engine core and workers go too.
+- `-dp 2 -tp 2`: two cores of two ranks each answer as one engine does.
+
+Every server here: the tiny llama, one thread per process, a small KV cache.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import time
+
+import httpx
+import openai
+import pytest
+
+from modserve import LLM, SamplingParams
+from processes import alive, descendants, wait_until
+from server_process import Server, launch_healthy, stop
+
+MODEL = "tiny"
+PROMPTS = [[(7 * i + j) % 200 + 3 for j in range(5 + 3 * i)] for i in range(4)]
+FLAGS = ["--served-model-name", MODEL, "--num-threads", "1", "--num-kv-blocks", "64", "--max-model-len", "512"]
+GREEDY = dict(temperature=0.0, max_tokens=12, extra_body={"ignore_eos": True})
+LONG = dict(temperature=0.0, max_tokens=480, extra_body={"ignore_eos": True})
+STEP_TIMEOUT = 3.0
+
+
+@pytest.fixture(scope="module")
+def reference(llama_dir) -> list[str]:
+    with LLM(llama_dir, num_threads=1, num_kv_blocks=64, max_model_len=512, progress=False) as llm:
+        params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+        return [o.outputs[0].text for o in llm.generate(PROMPTS, params, use_tqdm=False)]
+
+
+def cores_of(server: Server) -> dict[int, int]:
+    """dp rank -> pid of each engine-core process, as the server logged them."""
+    return {int(rank): int(pid) for rank, pid in
+            re.findall(r"engine core (\d+) \(pid (\d+)\): building", server.log.read_text())}
+
+
+def start(tmp, name: str, *flags: str) -> Server:
+    return launch_healthy(tmp, name, *flags, timeout=180)
+
+
+def timed_get(url: str) -> tuple[httpx.Response, float]:
+    t = time.monotonic()
+    r = httpx.get(url, timeout=5)
+    return r, time.monotonic() - t
+
+
+def assert_all_gone(pids, timeout: float = 15.0) -> None:
+    assert wait_until(lambda: not any(alive(p) for p in pids), timeout), \
+        {p: descendants(1).get(p, "?") for p in pids if alive(p)}
+
+
+def greedy_texts(server: Server) -> list[str]:
+    r = server.client().completions.create(model=MODEL, prompt=PROMPTS, **GREEDY)
+    return [c.text for c in sorted(r.choices, key=lambda c: c.index)]
+
+
+def test_dp2_cores_answer_as_one_engine_and_a_killed_core_fails_only_its_requests(llama_dir, tmp_path, reference):
+    server = start(tmp_path, "dp2", llama_dir, *FLAGS, "-dp", "2", "--data-parallel-routing", "load",
+                   "--max-model-len", "2048", "--num-kv-blocks", "160")
+    try:
+        tree = descendants(server.proc.pid)
+        cores = cores_of(server)
+        assert sorted(cores) == [0, 1] and all(alive(pid) for pid in cores.values())
+        assert greedy_texts(server) == reference
+        client = server.client()
+        # Two long streams: load routing puts the first on core 0, the second on core 1.
+        doomed = client.completions.create(model=MODEL, prompt=PROMPTS[0], stream=True, **LONG)
+        next(iter(doomed))
+        # (long enough to still run while the dead core's request fails and the checks below run)
+        survivor = client.completions.create(model=MODEL, prompt=PROMPTS[1], stream=True,
+                                             **{**LONG, "max_tokens": 2000})
+        next(iter(survivor))
+        for path in ("/health", "/metrics"):  # answered by the API server, never waiting on a core
+            r, took = timed_get(server.url + path)
+            assert r.status_code == 200 and took < 1.0, (path, took)
+        # summed over the cores' heartbeats (each at most a second old)
+        assert wait_until(lambda: server.metrics()["modserve_num_requests_running"] == 2, 5)
+        os.kill(cores[0], signal.SIGKILL)
+        with pytest.raises(openai.APIError) as error:
+            for chunk in doomed:
+                assert not chunk.choices or chunk.choices[0].finish_reason is None, "the stream finished"
+        assert error.value.code == "engine_dead" and "the engine stopped" in str(error.value)
+        # Draining the other core's request: still listening, unhealthy, scraped at once.
+        health, took = timed_get(server.url + "/health")
+        assert health.status_code == 503 and took < 1.0
+        r, took = timed_get(server.url + "/metrics")
+        assert r.status_code == 200 and took < 1.0 and "modserve_replica_alive" in r.text
+        finish = [chunk.choices[0].finish_reason for chunk in survivor if chunk.choices]
+        assert finish[-1] == "length"  # the other core's request completed during the drain
+        assert server.proc.wait(timeout=30) == 1  # exit_on_engine_death: drained, then status 1
+        assert_all_gone(tree)
+        assert f"engine dead: engine core 0 (pid {cores[0]}) exited with code -9" in server.log.read_text()
+    finally:
+        stop(server)
+
+
+def test_a_stopped_engine_core_is_declared_dead_within_the_step_deadline(llama_dir, tmp_path):
+    server = start(tmp_path, "stopped-core", llama_dir, *FLAGS, "--step-timeout", str(STEP_TIMEOUT))
+    try:
+        tree = descendants(server.proc.pid)
+        [core] = cores_of(server).values()
+        stream = server.client().completions.create(model=MODEL, prompt=PROMPTS[0], stream=True, **LONG)
+        next(iter(stream))
+        os.kill(core, signal.SIGSTOP)
+        began = time.monotonic()
+        with pytest.raises(openai.APIError) as error:
+            for _ in stream:
+                pass
+        assert time.monotonic() - began < STEP_TIMEOUT + 3
+        assert error.value.code == "engine_dead"
+        assert server.proc.wait(timeout=30) == 1
+        assert f"(pid {core}) sent no heartbeat" in server.log.read_text()
+        assert_all_gone(tree)  # the stopped core was killed, not left stopped
+    finally:
+        stop(server)
+
+
+def test_a_hung_tp_worker_turns_health_503_and_metrics_still_answer(llama_dir, tmp_path):
+    server = start(tmp_path, "hung-worker", llama_dir, *FLAGS, "-tp", "2", "--step-timeout", str(STEP_TIMEOUT),
+                   "--no-exit-on-engine-death")
+    try:
+        tree = descendants(server.proc.pid)
+        [core] = cores_of(server).values()
+        [worker] = [p for p, cmd in descendants(core).items() if "spawn_main" in cmd]
+        stream = server.client().completions.create(model=MODEL, prompt=PROMPTS[0], stream=True, **LONG)
+        next(iter(stream))
+        os.kill(worker, signal.SIGSTOP)  # the core's next collective waits for it forever
+        began = time.monotonic()
+        with pytest.raises(openai.APIError) as error:
+            for _ in stream:
+                r, took = timed_get(server.url + "/metrics")
+                assert took < 1.0
+        assert time.monotonic() - began < STEP_TIMEOUT + 3
+        assert error.value.code == "engine_dead"
+        assert "past step_timeout=3 s: a rank or a collective is hung" in server.log.read_text()
+        health, took = timed_get(server.url + "/health")
+        assert health.status_code == 503 and health.json()["error"]["code"] == "engine_dead" and took < 1.0
+        r, took = timed_get(server.url + "/metrics")
+        assert r.status_code == 200 and took < 1.0
+        assert stop(server) == 0  # stayed up until told to stop
+        assert_all_gone(tree)
+    finally:
+        stop(server)
+
+
+def test_kill_9_of_the_server_takes_its_engine_core_and_workers(llama_dir, tmp_path):
+    server = start(tmp_path, "killed", llama_dir, *FLAGS, "-tp", "2")
+    tree = descendants(server.proc.pid)
+    assert any("core_process" in cmd for cmd in tree.values()) and any("spawn_main" in c for c in tree.values())
+    server.proc.kill()
+    server.proc.wait()
+    assert_all_gone(tree)
+
+
+def test_dp2_tp2_answers_as_one_engine(llama_dir, tmp_path, reference):
+    server = start(tmp_path, "dp2tp2", llama_dir, *FLAGS, "-dp", "2", "-tp", "2", "--data-parallel-routing", "load")
+    try:
+        tree = descendants(server.proc.pid)
+        assert len(cores_of(server)) == 2
+        assert sum("spawn_main" in cmd for cmd in tree.values()) >= 2  # a worker per core
+        assert greedy_texts(server) == reference
+        assert stop(server) == 0
+        assert_all_gone(tree)
+    finally:
+        stop(server)
+
+
+def test_vllms_process_flags_one_rank_alone_and_the_engine_in_the_server(llama_dir, tmp_path, reference):
+    """--data-parallel-rank 1 of -dp 2 (external load balancing) runs that rank's core alone;
+    --disable-frontend-multiprocessing steps the engine in a thread of the server's process."""
+    for name, flags, cores in (("rank1", ("-dp", "2", "--data-parallel-rank", "1"), 1),
+                               ("in-process", ("--disable-frontend-multiprocessing",), 0)):
+        server = start(tmp_path, name, llama_dir, *FLAGS, *flags)
+        try:
+            tree = descendants(server.proc.pid)
+            assert sum("core_process" in cmd for cmd in tree.values()) == cores, tree
+            assert greedy_texts(server) == reference
+            assert stop(server) == 0
+            assert_all_gone(tree)
+        finally:
+            stop(server)
+    assert "engine core 0 (pid" in (tmp_path / "rank1.log").read_text()  # one core: this server's only
