@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from abc import abstractmethod
 from collections import deque
 from dataclasses import dataclass, field
 from itertools import count
@@ -117,8 +118,9 @@ class EngineFrontend(EngineClient):
         self.last_stats: dict[str, Any] = {}
         self._dead_reason: str | None = None  # why the engine died, once the loop thread knows it
 
+    @abstractmethod
     def _send(self, command: AddRequest | AbortRequest) -> None:
-        raise NotImplementedError
+        """Hand ``command`` to the engine (never waits for its step)."""
 
     @property
     def dead_reason(self) -> str | None:
