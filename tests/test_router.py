@@ -151,7 +151,9 @@ def test_streamed_completion_and_chat(prefill, decode, router):
                                                         stream_options={"include_usage": True}, **GREEDY))
         chat = list(client(router).chat.completions.create(model=MODEL, messages=messages, stream=True, **GREEDY))
     assert "".join(c.choices[0].text for c in chunks if c.choices) == text
-    assert chunks[-1].usage.completion_tokens == 12 and len(chunks) > 3  # token by token, and the usage
+    # Content chunks, then the usage alone. (How many content chunks depends on timing: a stream
+    # whose reader falls behind the engine's process gets the tokens since its last read merged.)
+    assert chunks[-1].usage.completion_tokens == 12 and not chunks[-1].choices and len(chunks) >= 2
     assert "".join(c.choices[0].delta.content or "" for c in chat if c.choices) == reply
 
 
