@@ -15,6 +15,8 @@ _moved.install()  # old module paths keep importing, with a DeprecationWarning
 _EXPORTS = {
     "LLM": "modserve.llm",
     "SamplingParams": "modserve.core.sampling_params",
+    "LoRARequest": "modserve.core.lora_request",
+    "BeamSearchParams": "modserve.beam_search",
     "StructuredOutputs": "modserve.core.structured_outputs",
     "EngineConfig": "modserve.core.config",
     "TextPrompt": "modserve.inputs",

@@ -25,7 +25,8 @@ LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 FLAG_ALIASES: dict[str, tuple[str, ...]] = {"num_threads": ("--threads",), "tensor_parallel_size": ("-tp",)}
 # Taken as typed, never read as YAML (`--served-model-name on` is a name, not a boolean).
 TEXT_FIELDS = ("model", "tokenizer", "served_model_name", "device", "chat_template", "generation_config")
-LIST_FIELDS = ("cuda_graph_sizes",)  # vLLM's `--cuda-graph-sizes 1 2 4` (or one YAML list; none: [])
+LIST_FIELDS = ("cuda_graph_sizes",  # vLLM's `--cuda-graph-sizes 1 2 4` (or one YAML list; none: [])
+               "lora_modules")  # vLLM's `--lora-modules a=/path '{"name": "b", "path": "/p"}'`
 
 
 class Parser(argparse.ArgumentParser):

@@ -7,13 +7,15 @@ import weakref
 from functools import lru_cache
 from itertools import count
 from pathlib import Path
-from typing import Any, NoReturn, Sequence as Seq
+from typing import Any, Sequence as Seq
 
 import torch
 from tqdm import tqdm
 from transformers import PreTrainedTokenizerBase
 
+from modserve.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams, check_beam_search, step_entry
 from modserve.core.config import EngineConfig
+from modserve.core.lora_request import LoRARequest
 from modserve.config_files import load_config_file
 from modserve.engine.engine import LLMEngine
 from modserve.engine.limits import EngineLimits
@@ -26,7 +28,6 @@ from modserve.inputs import PromptType, parse_prompts
 from modserve.outputs import (Decode, EmbeddingOutput, EmbeddingRequestOutput, PoolingOutput, PoolingRequestOutput,
                               add_vllm_logprobs)
 from modserve.pooling_params import PoolingParams
-from modserve.sampling_params import BeamSearchParams
 from modserve.server.grammar_bounds import GrammarBounds, check_bounds
 from modserve.vllm_compat import engine_config
 
@@ -114,6 +115,7 @@ class LLM:
         """Forget cached prefixes, as vLLM's ``LLM.reset_prefix_cache``: a benchmark that
         repeats a workload measures its prompts, not cache hits."""
         self.engine.allocator.reset_prefix_cache()
+        self.engine.kv_events.publish()  # AllBlocksCleared now, not with the next step's events
 
     # -- what a benchmark reports of the engine: read here, so that callers never reach into it
     @property
@@ -155,11 +157,14 @@ class LLM:
         sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
         use_tqdm: bool = True,
         priority: Seq[int] | None = None,
+        lora_request: LoRARequest | Seq[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Run every prompt to completion; outputs come back in input order. A prompt is a
         ``str``, a list of token ids, or vLLM's ``TextPrompt`` / ``TokensPrompt`` dict
         (:mod:`modserve.inputs`). ``priority`` (one per prompt, lower first) matters under the
-        priority scheduler. Logprobs come in vLLM's shape (:class:`modserve.outputs.PositionLogprobs`)."""
+        priority scheduler. Logprobs come in vLLM's shape (:class:`modserve.outputs.PositionLogprobs`).
+        ``lora_request``: one adapter for every prompt or one per prompt (None: the base model); needs
+        ``enable_lora``."""
         self._check_running()
         if self.config.runner == "pooling":
             raise ValueError("this LLM runs the pooling runner (runner: pooling): use embed() or encode(), "
@@ -175,6 +180,9 @@ class LLM:
         priorities = list(priority) if priority is not None else [0] * len(prompts)
         if len(priorities) != len(prompts):
             raise ValueError(f"priority has {len(priorities)} entries for {len(prompts)} prompts")
+        loras = list(lora_request) if isinstance(lora_request, (list, tuple)) else [lora_request] * len(prompts)
+        if len(loras) != len(prompts):
+            raise ValueError(f"lora_request has {len(loras)} entries for {len(prompts)} prompts")
         # Compile every constraint first (on the engine's grammar workers): a refused
         # schema is a ValueError here, before any request is queued.
         compiler = self.engine.grammar
@@ -192,9 +200,9 @@ class LLM:
                    for prompt, p in zip(prompts, params)]
         order = {}
         try:
-            for prompt, p, prio in zip(prompts, params, priorities):
+            for prompt, p, prio, lora in zip(prompts, params, priorities, loras):
                 rid = f"offline-{next(self._ids)}"
-                self.engine.add_request(rid, prompt, p, priority=prio)
+                self.engine.add_request(rid, prompt, p, priority=prio, lora_request=lora)
                 order[rid] = len(order)
         except Exception:
             for rid in order:  # nothing half-submitted stays behind
@@ -253,10 +261,38 @@ class LLM:
             tokenize=False, **(chat_template_kwargs or {})) for c in conversations]
         return self.generate([tok.encode(t, add_special_tokens=False) for t in texts], sampling_params, use_tqdm)
 
-    def beam_search(self, prompts: Any, params: BeamSearchParams, *args: Any, **kwargs: Any) -> NoReturn:
-        """vLLM's ``LLM.beam_search``: refused, naming what is missing."""
-        raise NotImplementedError("LLM.beam_search: beam search is not supported: modserve samples each "
-                                  "sequence on its own (no beams, no length_penalty); use generate() with n > 1")
+    def beam_search(self, prompts: PromptType | Seq[PromptType], params: BeamSearchParams,
+                    lora_request: Any = None, use_tqdm: bool = False,
+                    concurrency_limit: int | None = None) -> list[BeamSearchOutput]:
+        """vLLM's ``LLM.beam_search`` (:mod:`modserve.beam_search`): each prompt's best
+        ``beam_width`` sequences, best first; a sequence's ``tokens`` and ``text`` are the
+        prompt's then the generated ones (a final EOS too), as vLLM's. ``concurrency_limit``:
+        how many prompts are searched at once (default: all)."""
+        self._check_running()
+        if lora_request is not None:
+            raise ValueError("lora_request: beam_search runs the base model only (generate takes adapters)")
+        tok = self.engine.tokenizer
+        ids = [tok.encode(p.engine_input) if isinstance(p.engine_input, str) else list(p.engine_input)
+               for p in parse_prompts(prompts)]
+        for prompt in ids:
+            self.engine.limits.validate_prompt(prompt)
+            check_beam_search(params, len(prompt), self.engine.max_model_len, self.engine.limits.max_logprobs)
+        searches = [BeamSearch(prompt, params, tok.hf.eos_token_id) for prompt in ids]
+        limit = concurrency_limit or len(searches) or 1
+        step = params.step_params()
+        for start in tqdm(range(0, len(searches), limit), desc="Beam search", disable=not use_tqdm):
+            group = searches[start:start + limit]
+            while live := [s for s in group if not s.done]:
+                outputs = iter(self.generate([p for s in live for p in s.live_prompts()], step, use_tqdm=False))
+                for s in live:  # each search's beams, in the order they went out
+                    s.advance([step_entry(next(outputs)) for _ in s.beams])
+        results = []
+        for s in searches:
+            best = s.best()
+            for beam in best:
+                beam.text = tok.hf.decode(beam.tokens)
+            results.append(BeamSearchOutput(best))
+        return results
 
     def _token_text(self) -> Decode:
         """One token id's text alone, as vLLM's ``decoded_token`` (``tokenizer.decode([id])``);

@@ -115,7 +115,8 @@ def _speculative(data: dict[str, Any], value: Any) -> None:
 
 
 # vLLM's connector class names -> modserve's built-ins, and their extra-config keys -> options.
-VLLM_CONNECTORS = {"SharedStorageConnector": "shared_storage", "OffloadingConnector": "host"}
+VLLM_CONNECTORS = {"SharedStorageConnector": "shared_storage", "OffloadingConnector": "host",
+                   "MooncakeConnector": "mooncake"}
 VLLM_CONNECTOR_OPTIONS = {"shared_storage_path": "path", "cpu_bytes_to_use": "size_gb"}
 
 
@@ -141,6 +142,52 @@ def _kv_transfer(data: dict[str, Any], value: Any) -> None:
     for key in ("kv_role", "kv_load_failure_policy"):
         if key in value:
             data[key] = value[key]
+
+
+# vLLM's --structured-outputs-config: its keys modserve takes, and the backends it names that
+# are modserve's (another plugin is named by the grammar_backend key).
+STRUCTURED_OUTPUTS_KEYS = ("backend", "disable_fallback", "disable_any_whitespace", "reasoning_parser")
+STRUCTURED_OUTPUTS_BACKENDS = ("auto", "xgrammar", "outlines")
+
+
+def _structured_outputs(data: dict[str, Any], value: Any) -> None:
+    """vLLM's ``--structured-outputs-config`` JSON onto grammar_backend (its name and the
+    whitespace option of the backend named) and reasoning_parser."""
+    import yaml
+
+    where = "structured_outputs_config"
+    if isinstance(value, str):
+        value = yaml.safe_load(value)
+    if not isinstance(value, dict):
+        raise ValueError(f"{where}: expected a JSON object, got {value!r}")
+    unknown = sorted(set(value) - set(STRUCTURED_OUTPUTS_KEYS))
+    if unknown:
+        raise ValueError(f"{where}: keys modserve does not take: {unknown}; accepted: "
+                         f"{', '.join(STRUCTURED_OUTPUTS_KEYS)}")
+    backend = value.get("backend", "auto")
+    if backend not in STRUCTURED_OUTPUTS_BACKENDS:
+        raise ValueError(f"{where}: backend {backend!r} is not one of modserve's; accepted: "
+                         f"{', '.join(STRUCTURED_OUTPUTS_BACKENDS)} (another plugin: the grammar_backend key)")
+    for key in ("disable_fallback", "disable_any_whitespace"):
+        if not isinstance(value.get(key, False), bool):
+            raise ValueError(f"{where}: {key} must be true or false, got {value[key]!r}")
+    named = backend != "auto"
+    if value.get("disable_fallback") and not named:
+        raise ValueError(f"{where}: disable_fallback needs a named backend (xgrammar or outlines): auto falls "
+                         "back from one backend to the next, a named one never does")
+    choice = _plugin_choice(data, "grammar_backend")
+    choice["name"] = backend
+    if "disable_any_whitespace" in value:
+        if not named:
+            raise ValueError(f"{where}: disable_any_whitespace needs a named backend (xgrammar or outlines): "
+                             "auto takes no options")
+        if backend == "xgrammar":
+            choice["options"]["any_whitespace"] = not value["disable_any_whitespace"]
+        elif value["disable_any_whitespace"]:  # outlines: no whitespace; false keeps its bounded default
+            choice["options"]["whitespace_pattern"] = ""
+    data["grammar_backend"] = choice
+    if value.get("reasoning_parser"):
+        data["reasoning_parser"] = {"name": value["reasoning_parser"], "options": {}}
 
 
 def _kv_cache_dtype(value: Any) -> Any:
@@ -197,7 +244,18 @@ VALUES: dict[str, Callable[[Any], Any]] = {
     "model": _model,
     "max_model_len": human_readable_int,  # the integers vLLM's CLI reads with a suffix
     "max_num_batched_tokens": human_readable_int,
+    "lora_modules": lambda v: [_lora_module(m) for m in (v if isinstance(v, list) else [v])],
 }
+
+
+def _lora_module(value: Any) -> Any:
+    """vLLM's ``--lora-modules`` item: ``name=path``, or its JSON form (a mapping, kept as it is)."""
+    if isinstance(value, str):
+        name, sep, path = value.partition("=")
+        if not sep or not name or not path:
+            raise ValueError(f"lora_modules: {value!r} is neither name=path nor a JSON object with name and path")
+        return {"name": name, "path": path}
+    return value
 
 
 def _task(data: dict[str, Any], value: Any) -> None:
@@ -240,12 +298,17 @@ VLLM_OPTIONS: tuple[VllmOption, ...] = (
                "speculative: method ngram (prompt_lookup_max/min -> max_ngram/min_ngram) or draft_model "
                "(model: PATH), num_speculative_tokens", {"metavar": "JSON"}, _speculative),
     VllmOption("kv_transfer_config", "mapped",
-               "kv_connector (SharedStorageConnector -> shared_storage, OffloadingConnector -> host; "
+               "kv_connector (SharedStorageConnector -> shared_storage, OffloadingConnector -> host, "
+               "MooncakeConnector -> mooncake; "
                "kv_connector_extra_config -> its options), kv_role, kv_load_failure_policy", {"metavar": "JSON"},
                _kv_transfer),
     VllmOption("disable_uvicorn_access_log", "mapped", "`modserve serve`: uvicorn's access log off", _BOOL),
     VllmOption("guided_decoding_backend", "mapped", "grammar_backend: NAME (auto, xgrammar, outlines)",
                {"metavar": "NAME"}, _set_name("grammar_backend")),
+    VllmOption("structured_outputs_config", "mapped",
+               "grammar_backend (backend: auto, xgrammar, outlines; disable_any_whitespace: the named backend's "
+               "whitespace option; disable_fallback: a named backend), reasoning_parser", {"metavar": "JSON"},
+               _structured_outputs),
     VllmOption("task", "mapped", "runner: pooling for embed, generate for generate", {"metavar": "TASK"}, _task),
     VllmOption("disable_frontend_multiprocessing", "mapped", "`modserve serve`: the engine steps in a thread of "
                "the server's process instead of engine-core processes of its own", _BOOL),
@@ -270,8 +333,6 @@ VLLM_OPTIONS: tuple[VllmOption, ...] = (
                default=1, short="-asc"),
     VllmOption("cpu_offload_gb", "refused", "offloading weights to host memory is not supported", _FLOAT,
                default=0),
-    VllmOption("enable_lora", "refused", "LoRA adapters are not supported", _BOOL, default=False),
-    VllmOption("lora_modules", "refused", "LoRA adapters are not supported", {"nargs": "+", "metavar": "TEXT"}),
     VllmOption("enable_sleep_mode", "refused", "sleep mode is not supported", _BOOL, default=False),
     VllmOption("hf_overrides", "refused", "edit the checkpoint's config.json instead", {"metavar": "JSON"}),
     VllmOption("limit_mm_per_prompt", "refused", "multimodal inputs are not supported", {"metavar": "JSON"}),

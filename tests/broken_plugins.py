@@ -167,6 +167,18 @@ class ForkDropsTheLastBlock(PagedAllocator):
         self._release(child.block_ids.pop())
 
 
+class MissesBlockRemoved(PagedAllocator):
+    def record(self, event) -> None:
+        if type(event).__name__ != "BlockRemoved":  # an eviction is never reported
+            super().record(event)
+
+
+class MissesBlockStored(PagedAllocator):
+    def record(self, event) -> None:
+        if type(event).__name__ != "BlockStored" or len(event.keys) < 2:  # longer runs are never reported
+            super().record(event)
+
+
 # -- schedulers: first come first served, one rule broken each ------------------------------
 class _Loosened(SchedulerView):
     """The core's view with one of its limits lifted."""
@@ -637,6 +649,10 @@ class SendsAPartialMarker(DeepSeekR1ReasoningParser):
         return super().split(text, True)  # holds nothing back: "</th" goes out as reasoning
 
 
+class NamesTheWrongEndMarker(DeepSeekR1ReasoningParser):
+    end_marker = "\n\n"  # the server would constrain from the blank line after </think>, not from </think>
+
+
 class FindsNoReasoning(DeepSeekR1ReasoningParser):
     def extract(self, text: str) -> tuple[str | None, str | None]:
         return None, text
@@ -653,7 +669,8 @@ BROKEN: dict[str, dict[str, Any]] = {
                      "unreported_copies": UnreportedCopies, "matches_whole_prompt": MatchesWholePrompt,
                      "frees_shared_blocks": FreesSharedBlocks, "blocks_needed_underreports": BlocksNeededUnderreports,
                      "refuses_when_exactly_full": RefusesWhenExactlyFull, "free_keeps_the_table": FreeKeepsTheTable,
-                     "fork_drops_the_last_block": ForkDropsTheLastBlock},
+                     "fork_drops_the_last_block": ForkDropsTheLastBlock,
+                     "misses_block_removed": MissesBlockRemoved, "misses_block_stored": MissesBlockStored},
     "scheduler": {"ignores_token_budget": IgnoresTokenBudget, "ignores_max_num_seqs": IgnoresMaxNumSeqs,
                   "ignores_blocks": IgnoresBlocks, "preempts_waiting": PreemptsWaiting,
                   "starves_long_prompts": StarvesLongPrompts, "returns_dict": ReturnsDict,
@@ -684,7 +701,8 @@ BROKEN: dict[str, dict[str, Any]] = {
                  "workers_get_another_model": WorkersGetAnotherModel, "uni_refuses_vaguely": UniRefusesVaguely},
     "tool_parser": {"drops_the_last_streamed_call": DropsTheLastStreamedCall,
                     "arguments_as_python": ArgumentsAsPython},
-    "reasoning_parser": {"sends_a_partial_marker": SendsAPartialMarker, "finds_no_reasoning": FindsNoReasoning},
+    "reasoning_parser": {"sends_a_partial_marker": SendsAPartialMarker, "finds_no_reasoning": FindsNoReasoning,
+                         "names_the_wrong_end_marker": NamesTheWrongEndMarker},
     "kv_connector": {"loads_the_wrong_layer": LoadsTheWrongLayer, "counts_every_key": CountsEveryKey,
                      "fails_the_rest_after_a_miss": FailsTheRestAfterAMiss, "saves_a_view": SavesAView},
 }

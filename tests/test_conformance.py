@@ -57,6 +57,8 @@ FAULTS: list[tuple[str, str, str]] = [
     ("kv_allocator:refuses_when_exactly_full", "test_allocate_is_all_or_nothing", "refused, though blocks_needed"),
     ("kv_allocator:free_keeps_the_table", "test_freeing_everything", "left its table"),
     ("kv_allocator:fork_drops_the_last_block", "test_fork_shares_then_copies_on_write", "must be the parent's"),
+    ("kv_allocator:misses_block_removed", "test_kv_events_say_what_is_cached", "a BlockRemoved was not recorded"),
+    ("kv_allocator:misses_block_stored", "test_kv_events_say_what_is_cached", "a BlockStored never recorded"),
     ("scheduler:ignores_token_budget", "test_valid_schedules", "over max_num_batched_tokens"),
     ("scheduler:ignores_max_num_seqs", "test_valid_schedules", "over max_num_seqs"),
     ("scheduler:ignores_blocks", "test_valid_schedules", "are free after its preemptions"),
@@ -137,6 +139,8 @@ FAULTS: list[tuple[str, str, str]] = [
     ("reasoning_parser:sends_a_partial_marker", "test_a_stream_joins_to_what_extract_gives",
      "a stream must join to extract's result"),
     ("reasoning_parser:finds_no_reasoning", "test_examples_give_reasoning", "found no reasoning"),
+    ("reasoning_parser:names_the_wrong_end_marker", "test_the_content_is_what_follows_the_end_marker",
+     "which a constraint holds"),
 ]
 CONTROLS = [f"{kind}:{name}" for kind, names in broken_plugins.CONTROLS.items() for name in names]
 
@@ -236,14 +240,6 @@ def test_the_kit_passes_the_builtin_executors(monkeypatch: pytest.MonkeyPatch, t
     assert (len(reports.outcome("passed")), len(reports.outcome("skipped"))) == (passed, skipped), \
         [(r.nodeid, r.outcome) for r in reports.all if r.when == "call" or not r.passed]
     assert multiprocessing.active_children() == []
-
-
-def test_the_kit_passes_the_ray_executor(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    """SLOW (~40 s here): each of the three engines starts (and stops) a local Ray cluster."""
-    pytest.importorskip("ray", reason="the ray executor needs Ray: pip install modserve[ray]")
-    monkeypatch.chdir(tmp_path)
-    reports = run_executor_kit("executor:ray", {"stop_timeout": 2})
-    assert len(reports.outcome("passed")) == 5  # the refusal check is skipped: it runs two ranks
 
 
 def test_targets_select_one_kind_and_deselect_the_others(monkeypatch: pytest.MonkeyPatch, tmp_path: Path,

@@ -188,4 +188,4 @@ def test_vllms_process_flags_one_rank_alone_and_the_engine_in_the_server(llama_d
             assert_all_gone(tree)
         finally:
             stop(server)
-    assert "engine core 0 (pid" in (tmp_path / "rank1.log").read_text()  # one core: this server's only
+    assert "engine core 1 (pid" in (tmp_path / "rank1.log").read_text()  # named by its data-parallel rank

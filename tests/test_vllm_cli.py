@@ -100,7 +100,7 @@ def test_gpu_memory_utilization_is_vllms_share_of_total_memory(llama_dir, monkey
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--enable-lora"], "enable_lora=True is not supported: LoRA adapters are not supported"),
+    (["--enable-sleep-mode"], "enable_sleep_mode=True is not supported: sleep mode is not supported"),
     (["--kv-cache-dtype", "fp8_e5m2"], "kv_cache_dtype='fp8_e5m2' is not supported: the fp8 KV cache is e4m3"),
     (["--speculative-config", '{"method": "ngram", "disable_by_batch_size": 4}'],
      "speculative_config keys not supported with method ngram: disable_by_batch_size"),

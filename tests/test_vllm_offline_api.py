@@ -63,11 +63,11 @@ def test_vllm_engine_argument_names_mean_what_the_cli_makes_of_them(llama_dir, m
     assert llm.generate(TEXT, GREEDY, use_tqdm=False)[0].outputs[0].token_ids
     # what the CLI refuses, the keyword refuses with the same message
     with pytest.raises(ValueError) as offline:
-        LLM(llama_dir, enable_lora=True, progress=False)
+        LLM(llama_dir, enable_sleep_mode=True, progress=False)
     with pytest.raises(ValueError) as command_line:
-        cli.config_from_args(cli.build_parser().parse_args(["serve", llama_dir, "--enable-lora"]))
+        cli.config_from_args(cli.build_parser().parse_args(["serve", llama_dir, "--enable-sleep-mode"]))
     assert str(offline.value) == str(command_line.value) == \
-        "enable_lora=True is not supported: LoRA adapters are not supported"
+        "enable_sleep_mode=True is not supported: sleep mode is not supported"
 
 
 def test_vllm_import_paths():
@@ -150,10 +150,3 @@ def test_spaces_between_special_tokens_is_accepted_where_it_changes_nothing():
     assert SamplingParams(spaces_between_special_tokens=False).spaces_between_special_tokens is False
     with pytest.raises(ValueError, match="spaces_between_special_tokens must be true with skip_special_tokens"):
         SamplingParams(spaces_between_special_tokens=False, skip_special_tokens=False)
-
-
-def test_beam_search_is_refused_by_name(llm):
-    from modserve.sampling_params import BeamSearchParams
-
-    with pytest.raises(NotImplementedError, match="beam search is not supported"):
-        llm.beam_search([{"prompt": TEXT}], BeamSearchParams(beam_width=2, max_tokens=4))

@@ -37,7 +37,8 @@ if TYPE_CHECKING:  # for type checkers and IDEs; at run time each name is import
     from modserve.core.contracts.executor import Executor, WorkerSpec
     from modserve.core.contracts.platform import FinishedModel, GraphSettings, ModelLoad, Platform, StepForward
     from modserve.core.contracts.grammar_backend import GrammarBackend, GrammarMatcher, GrammarVocab
-    from modserve.core.contracts.kv_allocator import KVAllocator, block_keys
+    from modserve.core.contracts.kv_allocator import (
+        AllBlocksCleared, BlockRemoved, BlockStored, KVAllocator, KVCacheEvent, block_keys)
     from modserve.core.contracts.quantizer import LinearSpec, Quantizer, TensorLayout
     from modserve.core.contracts.moe_backend import MoEBackend
     from modserve.core.contracts.proposer import Proposal, Proposer, ProposerContext
@@ -50,6 +51,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs; at run time each name is import
         Linear, LinearFactory, Unquantized, VocabEmbedding, check_name, float_layers, linear_factory, load_shard,
         model_bytes, param)
     from modserve.runner.parallel import TensorParallel
+    from modserve.runner.checkpoint import CheckpointTensor, as_tensor
     from modserve.runner.main import run_worker
     from modserve.core.registry import PluginError
     from modserve.runner.sampling import add_logprobs, sample_rows
@@ -70,7 +72,8 @@ _WHERE: dict[str, str] = {name: module for module, names in (
     ("modserve.core.contracts.attention_backend", "AttentionBackend AttentionMetadata AttentionSpec CudaGraphSupport"),
     ("modserve.core.contracts.executor", "Executor WorkerSpec"),
     ("modserve.core.contracts.grammar_backend", "GrammarBackend GrammarMatcher GrammarVocab"),
-    ("modserve.core.contracts.kv_allocator", "KVAllocator block_keys"),
+    ("modserve.core.contracts.kv_allocator",
+     "AllBlocksCleared BlockRemoved BlockStored KVAllocator KVCacheEvent block_keys"),
     ("modserve.core.contracts.kv_connector", "BlockTransfer KVConnector KVConnectorContext"),
     ("modserve.core.contracts.model", "CausalLM DecoderLayerLayout DecoderLayout"),
     ("modserve.core.contracts.moe_backend", "MoEBackend"),
@@ -86,6 +89,7 @@ _WHERE: dict[str, str] = {name: module for module, names in (
      "Linear LinearFactory Unquantized VocabEmbedding check_name float_layers linear_factory "
      "load_shard model_bytes param"),
     ("modserve.runner.parallel", "TensorParallel"),
+    ("modserve.runner.checkpoint", "CheckpointTensor as_tensor"),
     ("modserve.runner.main", "run_worker"),
     ("modserve.core.registry", "PluginError"),
     ("modserve.runner.sampling", "add_logprobs sample_rows"),
@@ -115,6 +119,7 @@ __all__ = [
     "Platform",
     "Proposer", "Quantizer", "ReasoningParser", "Sampler", "Scheduler", "ToolParser",
     # the data they receive and return
+    "AllBlocksCleared", "BlockRemoved", "BlockStored", "KVCacheEvent",
     "AttentionMetadata", "AttentionSpec", "CudaGraphSupport", "DecoderLayerLayout", "DecoderLayout", "FinishedModel",
     "GrammarSpec", "GrammarVocab",
     "GraphSettings", "LinearSpec", "StepForward",
@@ -125,7 +130,7 @@ __all__ = [
     "PartialCall", "ReparsingToolParser", "hold_back", "json_call", "json_objects", "value_end",
     # models and linears
     "Linear", "LinearFactory", "TensorParallel", "Unquantized", "VocabEmbedding", "attention", "check_name", "float_layers", "forward_context",
-    "linear_factory", "load_shard", "model_bytes", "param",
+    "linear_factory", "load_shard", "model_bytes", "param", "CheckpointTensor", "as_tensor",
     # helpers
     "Budget", "FP8", "FP8_MAX", "add_logprobs", "admit", "advance_running", "block_keys", "build_batch", "chunk_size",
     "fp8_to_float", "load_kernel", "op_by_name", "read_kv", "run_worker", "sample_rows", "slots", "start_budget", "to_fp8", "write_kv",

@@ -48,6 +48,8 @@ class SequenceView(Protocol):
     @property
     def block_hashes(self) -> list[str]: ...  # block_keys of its first full blocks, as far as made yet
     @property
+    def cache_salt(self) -> bytes: ...  # block_keys' salt: its LoRA adapter's, b"" for the base model
+    @property
     def status(self) -> SequenceStatus: ...
     @property
     def is_finished(self) -> bool: ...

@@ -50,6 +50,39 @@ class PoolerConfig(BaseModel):
     normalize: bool | None = Field(None, description="L2-normalize each vector (after any `dimensions` cut)")
 
 
+class KVEventsConfig(BaseModel):
+    """KV cache events published over ZMQ after each step (vLLM's ``--kv-events-config``), docs/kv-events.md."""
+
+    model_config = ConfigDict(extra="forbid")
+    enable_kv_cache_events: bool = Field(False, description="Publish BlockStored/BlockRemoved/AllBlocksCleared")
+    publisher: Literal["zmq", "null"] | None = Field(
+        None, description="zmq, or null (publish nothing); default: zmq when enabled")
+    endpoint: str = Field("tcp://*:5557", description="PUB socket: bound if it has * or is ipc://, else connected; "
+                          "data-parallel rank r adds r to the port")
+    replay_endpoint: str | None = Field(None, description="ROUTER socket resending buffered batches from a "
+                                        "sequence number (port + rank too)")
+    buffer_steps: int = Field(10_000, gt=0, description="Batches (steps with events) kept for replay")
+    hwm: int = Field(100_000, gt=0, description="ZMQ send high-water mark: past it a slow subscriber misses batches")
+    max_queue_size: int = Field(100_000, gt=0, description="Batches waiting for the publisher thread; when full "
+                                "the engine step waits")
+    topic: str = Field("", description="First frame of each message; subscribers filter on it")
+
+    @model_validator(mode="after")
+    def _default_publisher(self) -> KVEventsConfig:
+        if self.publisher is None:
+            self.publisher = "zmq" if self.enable_kv_cache_events else "null"
+        return self
+
+
+class LoRAModule(BaseModel):
+    """An adapter served from the start (vLLM's ``--lora-modules name=path`` or its JSON form)."""
+
+    model_config = ConfigDict(extra="forbid")
+    name: str = Field(min_length=1)
+    path: str = Field(min_length=1)
+    base_model_name: str | None = None
+
+
 class EngineConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
@@ -110,6 +143,9 @@ class EngineConfig(BaseModel):
     max_response_bytes: int = Field(
         64 * 2**20, gt=0, description="Server: largest non-streamed response a request may ask for, estimated "
         "before it runs (n, prompts, max_tokens, logprobs, prompt_logprobs, echo), else 400")
+    max_stored_responses: int = Field(
+        1000, ge=0, description="Server: most /v1/responses answers kept in memory for retrieval and "
+        "previous_response_id; past it the oldest is evicted (a later reference to it is a 404); 0: none kept")
     stream_stall_timeout: float = Field(
         30.0, ge=0, description="Server: seconds a stream's output may wait unread (its client does not read) "
         "before the stream is aborted, freeing its sequences' batch slots and KV; 0: never")
@@ -183,6 +219,9 @@ class EngineConfig(BaseModel):
         "experts and the layer's output is summed over the ranks (vLLM's name); default: every rank holds a "
         "slice of every expert's intermediate dimension (expert tensor parallelism)")
     kv_allocator: PluginChoice = Field(PluginChoice(name="paged"), description="KV block allocator plugin")
+    kv_events_config: KVEventsConfig | None = Field(
+        None, description="KV cache events over ZMQ for prefix-aware routers (vLLM's): {enable_kv_cache_events: "
+        "true, endpoint: tcp://*:5557, replay_endpoint: ..., topic: ...}; default: none")
     scheduler: PluginChoice = Field(PluginChoice(name="fcfs"), description="Scheduling policy plugin")
     sampler: PluginChoice = Field(PluginChoice(name="default"), description="Sampler plugin")
     grammar_backend: PluginChoice = Field(
@@ -218,10 +257,22 @@ class EngineConfig(BaseModel):
     speculative: SpeculativeConfig | None = Field(None, description="Speculative decoding; off when unset")
     kv_connector: PluginChoice | None = Field(
         None, description="KV connector plugin: where full prompt blocks of KV go beyond this engine's cache "
-        "and come back from (shared_storage: files, shm: shared memory, host: a host-memory tier); off when unset")
+        "and come back from (shared_storage: files, shm: shared memory, host: a host-memory tier, mooncake: "
+        "another host over the network); off when unset")
     kv_role: Literal["producer", "consumer", "both"] = Field(
         "both", description="With kv_connector: producer saves prompt blocks, consumer loads them, both does "
         "both (vLLM's kv_producer, kv_consumer, kv_both are accepted)")
+    enable_lora: bool = Field(False, description="Serve LoRA adapters (PEFT format) on the base model: "
+                              "per request, several in one batch (docs/lora.md)")
+    max_loras: int = Field(1, gt=0, description="With enable_lora: the most distinct adapters in one step "
+                           "(device slots); a request whose adapter finds no slot waits")
+    max_lora_rank: int = Field(16, gt=0, description="With enable_lora: the largest adapter rank r accepted "
+                               "(slots are this wide)")
+    max_cpu_loras: int | None = Field(None, gt=0, description="With enable_lora: adapters cached in host "
+                                      "memory (LRU); default max_loras")
+    lora_modules: list[LoRAModule] = Field(
+        [], description="With enable_lora: adapters served from the start, each "
+        "{name, path} (the server lists them as models)")
     kv_load_failure_policy: Literal["recompute", "fail"] = Field(
         "recompute", description="With kv_connector: when a block cannot be loaded (missing, corrupt), compute "
         "the prompt instead, or fail that request")
@@ -254,6 +305,12 @@ class EngineConfig(BaseModel):
     def _connector_layout(self) -> "EngineConfig":
         if self.kv_connector is not None and self.pipeline_parallel_size > 1:
             raise ValueError("kv_connector does not work with pipeline_parallel_size > 1 yet (tensor parallel does)")
+        if self.enable_lora and self.pipeline_parallel_size > 1:
+            raise ValueError("enable_lora does not work with pipeline_parallel_size > 1 (tensor parallel does)")
+        if self.lora_modules and not self.enable_lora:
+            raise ValueError("lora_modules needs enable_lora")
+        if self.enable_lora and (self.compile == "on" or self.cuda_graph_sizes):
+            raise ValueError("enable_lora runs the layers eagerly: not with compile: on or cuda_graph_sizes")
         if self.runner == "pooling" and self.world_size > 1:  # its forward runs on rank 0 alone
             raise ValueError("runner pooling runs on one rank: tensor_parallel_size and pipeline_parallel_size 1")
         return self

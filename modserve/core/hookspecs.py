@@ -32,10 +32,10 @@ hookimpl = pluggy.HookimplMarker("modserve")
 # a major one may remove what the minor releases before it deprecated. A plugin declares the
 # version it was written for as ``MODSERVE_PLUGIN_API = "1.0"`` on its entry-point object;
 # the registry loads it when the major matches and its minor is not newer than ours.
-PLUGIN_API_VERSION = "1.6"  # 1.1: kv_connector kind; 1.2: Quantizer.traceable; 1.3: native decode (CausalLM.
+PLUGIN_API_VERSION = "1.7"  # 1.1: kv_connector kind; 1.2: Quantizer.traceable; 1.3: native decode (CausalLM.
 # decoder_layout, Quantizer.native_op, AttentionBackend.native_decode, GraphSettings.model); 1.4: GrammarBackend.
 # serialize/deserialize; 1.5: block_keys, Platform.device_for_rank/shares_host_memory/pin_memory, logit_bias;
-# 1.6: tool_parser and reasoning_parser kinds
+# 1.6: tool_parser and reasoning_parser kinds; 1.7: CheckpointTensor, as_tensor, CausalLM.reads_parts
 
 
 class Register(Protocol):
@@ -108,7 +108,8 @@ def register_moe_backends(register: Register) -> None:
 @hookspec
 def register_kv_connectors(register: Register) -> None:
     """Register :class:`~modserve.core.contracts.kv_connector.KVConnector` classes: where KV blocks go
-    beyond this engine's cache (``kv_connector: shared_storage``, ``shm``, ``host``)."""
+    beyond this engine's cache (``kv_connector: shared_storage``, ``shm``, ``host``,
+    ``mooncake``)."""
 
 
 @hookspec

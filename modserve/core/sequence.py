@@ -12,6 +12,7 @@ if TYPE_CHECKING:  # the seams' types; none of them is needed at run time here
     import torch
 
     from modserve.core.contracts.grammar_backend import GrammarMatcher
+    from modserve.core.lora_request import LoRARequest
 
 
 class SequenceStatus(enum.Enum):
@@ -60,6 +61,12 @@ class Sequence:
     kv_load_failed: bool = False
     generator: "torch.Generator | None" = None  # seeded requests draw from their own
     grammar: "GrammarMatcher | None" = None  # a structured-outputs request's, once its grammar compiled
+    lora_request: "LoRARequest | None" = None  # the adapter it runs under (enable_lora); None: the base model
+
+    @property
+    def cache_salt(self) -> bytes:
+        """What its prefix-cache keys start from (block_keys' salt): its adapter's, so two adapters never share KV."""
+        return b"" if self.lora_request is None else self.lora_request.cache_salt
 
     @property
     def num_tokens(self) -> int:

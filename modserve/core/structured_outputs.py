@@ -46,9 +46,13 @@ class StructuredOutputs:
     choice: list[str] | None = None
     grammar: str | None = None
     json_object: bool | None = None
+    # Not a constraint: token ids after which the constraint starts (before them any token goes).
+    # The server sets it to the reasoning parser's end marker (``</think>``); not in spec(), so
+    # not in the compiled grammar's cache key.
+    start_after: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
-        given = [f.name for f in fields(self) if getattr(self, f.name) not in (None, False)]
+        given = [f.name for f in _constraints(self) if getattr(self, f.name) not in (None, False)]
         if len(given) != 1:
             which = f"got {len(given)}: {', '.join(given)}" if given else "got none"
             raise ValueError(f"structured_outputs takes exactly one of {', '.join(KINDS)}; {which}")
@@ -56,7 +60,7 @@ class StructuredOutputs:
 
     @property
     def kind(self) -> GrammarKind:
-        return next(f.name for f in fields(self) if getattr(self, f.name) not in (None, False))  # type: ignore
+        return next(f.name for f in _constraints(self) if getattr(self, f.name) not in (None, False))  # type: ignore
 
     def spec(self) -> GrammarSpec:
         kind = self.kind
@@ -74,6 +78,10 @@ class StructuredOutputs:
         if not isinstance(text, str) or not text:
             raise ValueError(f"{kind} must be a non-empty string")
         return GrammarSpec(kind, text)
+
+
+def _constraints(so: StructuredOutputs) -> list[Any]:
+    return [f for f in fields(so) if f.name != "start_after"]
 
 
 def _canonical_schema(schema: Any) -> str:

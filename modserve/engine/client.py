@@ -13,6 +13,7 @@ from concurrent.futures import Future
 from typing import Any, Protocol
 
 from modserve.core.config import EngineConfig
+from modserve.core.lora_request import LoRARequest
 from modserve.core.outputs import RequestOutput
 from modserve.core.sampling_params import SamplingParams
 from modserve.core.structured_outputs import GrammarSpec
@@ -71,7 +72,7 @@ class EngineClient(Protocol):
         """Requests submitted and not yet ended."""
 
     def submit(self, prompts: list[list[int]], params: SamplingParams, arrival_time: float | None = None,
-               priority: int = 0) -> OutputStream:
+               priority: int = 0, lora_request: LoRARequest | None = None) -> OutputStream:
         """One request per prompt, all answered through one stream; raises the implementation's
         EngineDead when no engine runs to take them. The caller has checked them against ``limits``."""
 

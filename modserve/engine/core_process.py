@@ -108,7 +108,8 @@ class EngineCore:
         if isinstance(message, p.Add):
             try:
                 engine.add_request(message.request_id, message.prompt_token_ids, p.unpack(message.params),
-                                   message.arrival_time, message.priority)
+                                   message.arrival_time, message.priority,
+                                   p.unpack(message.lora) if message.lora else None)
             except Exception as e:  # goes to that request alone
                 self._fail([message.request_id], e, "the engine refused the request")
         elif isinstance(message, p.Abort):
@@ -211,7 +212,7 @@ def main() -> int:
     if not isinstance(p.decode_to_core(inbox.recv()), p.Start):
         return 1
     try:
-        engine = _build(spec.config_json)
+        engine = _build(spec.config_json, spec.dp_rank)
     except BaseException as e:
         logger.exception("the engine could not be built")
         outbox.send(p.encode(p.Failed(f"{type(e).__name__}: {e}")))
@@ -219,11 +220,11 @@ def main() -> int:
     return _serve(engine, context, inbox, outbox, spec.beats)
 
 
-def _build(config_json: str) -> Any:
+def _build(config_json: str, dp_rank: int) -> Any:
     from modserve.core.config import EngineConfig
     from modserve.engine.engine import LLMEngine
 
-    return LLMEngine(EngineConfig.model_validate_json(config_json), progress=False)
+    return LLMEngine(EngineConfig.model_validate_json(config_json), progress=False, dp_rank=dp_rank)
 
 
 def _serve(engine: Any, context: zmq.Context, inbox: zmq.Socket, outbox: zmq.Socket, beats: str) -> int:

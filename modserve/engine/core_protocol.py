@@ -38,6 +38,7 @@ class Add(msgspec.Struct, tag=True):
     params: bytes  # pickled SamplingParams
     arrival_time: float
     priority: int
+    lora: bytes = b""  # pickled LoRARequest; empty: the base model
 
 
 class Abort(msgspec.Struct, tag=True):
@@ -61,7 +62,7 @@ class Utility(msgspec.Struct, tag=True):
 
 
 # The engine methods a server may call through Utility (vLLM's engine core has the same door).
-UTILITY_METHODS = frozenset({"embed", "stats"})
+UTILITY_METHODS = frozenset({"embed", "stats", "add_lora", "remove_lora"})
 
 
 class Shutdown(msgspec.Struct, tag=True):

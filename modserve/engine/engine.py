@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from modserve.core.config import EngineConfig
+from modserve.core.lora_request import LoRARequest
 from modserve.core.contracts.platform import Platform
 from modserve.core.contracts.scheduler import SchedulerLimits
 from modserve.core.outputs import RequestMetrics, RequestOutput
@@ -25,8 +26,10 @@ from modserve.core.sampling_params import SamplingParams
 from modserve.core.sequence import Sequence
 from modserve.core.step import ModelOutput, ScheduledStep
 from modserve.engine.grammar import AUTO, GrammarCompiler, wait_any
+from modserve.engine.grammar_gate import gated
 from modserve.engine.grammar_compile import CompiledGrammar
 from modserve.engine.isolation import CulpritIsolation
+from modserve.engine.kv_events import KVEventStream
 from modserve.engine.limits import EngineLimits
 from modserve.engine.output import OutputProcessor, Request, SampleText, stamp_scheduled
 from modserve.engine.preprocess import preprocess_request
@@ -45,8 +48,9 @@ NOT_POOLING = "the model is not served as an embedding model: start it with --ru
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, registry: Registry | None = None, progress: bool = True) -> None:
-        self.config = config
+    def __init__(self, config: EngineConfig, registry: Registry | None = None, progress: bool = True,
+                 dp_rank: int = 0) -> None:
+        self.config, self.dp_rank = config, dp_rank  # dp_rank: which data-parallel replica (KV events)
         registry = registry or get_registry()
         check_plugin_choices(config, registry)  # a typo fails now, not after the weights loaded
         setup = prepare_rank(config, registry)  # the platform, seed, checkpoint config: before any rank starts
@@ -89,8 +93,11 @@ class LLMEngine:
         policy = registry.create("scheduler", config.scheduler, limits)
         self.scheduler = SchedulerCore(policy, allocator, limits, config.scheduler.name, config.preemption_mode,
                                        SwapSpace(num_host_blocks) if num_host_blocks else None,
-                                       self.runner.connector, config.kv_role, self.eos_token_ids)
+                                       self.runner.connector, config.kv_role, self.eos_token_ids,
+                                       config.max_loras if config.enable_lora else 0)
         self.allocator = allocator
+        self.kv_events = KVEventStream.create(config.kv_events_config, allocator, config.kv_allocator.name,
+                                              self.dp_rank, self.platform.device.type)
         self.requests: dict[str, Request] = {}
         self._seq_ids = count()
         self.counters = {"prompt_tokens": 0, "computed_tokens": 0, "generation_tokens": 0, "steps": 0}
@@ -127,6 +134,7 @@ class LLMEngine:
         if not self.stopped:
             self.stopped = True
             self.grammar.close()
+            self.kv_events.close()
             stop_ranks(self.executor, self.runner.tp, self.config.world_size, tell=self.ranks_in_step)
             self.runner.close()
 
@@ -143,10 +151,12 @@ class LLMEngine:
         params: SamplingParams | None = None,
         arrival_time: float | None = None,
         priority: int = 0,
+        lora_request: LoRARequest | None = None,
     ) -> None:
         params = params or SamplingParams()
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
+        self.runner.check_lora(lora_request)  # a ValueError now, not in a step, if it cannot be used
         token_ids = preprocess_request(self.tokenizer, prompt, params, self.max_model_len)
         self.limits.validate_prompt(token_ids)
         self.limits.validate_params(params)
@@ -156,7 +166,7 @@ class LLMEngine:
             if grammar.done() and grammar.exception() is not None:
                 raise grammar.exception()
         req = self._new_request(request_id, prompt if isinstance(prompt, str) else None, token_ids, params,
-                                time.perf_counter() if arrival_time is None else arrival_time, priority)
+                                time.perf_counter() if arrival_time is None else arrival_time, priority, lora_request)
         if grammar is None or grammar.done():
             self._start(req, grammar)  # first: a grammar backend that fails here leaves nothing behind
         else:  # NOTE: kept out of the scheduler until compiled; others decode meanwhile
@@ -165,17 +175,25 @@ class LLMEngine:
         self.counters["prompt_tokens"] += len(token_ids)
 
     def _new_request(self, request_id: str, text: str | None, token_ids: list[int], params: SamplingParams,
-                     arrival_time: float, priority: int) -> Request:
+                     arrival_time: float, priority: int, lora_request: LoRARequest | None = None) -> Request:
         seqs, samples = [], []
         for i in range(params.n):
             seq = Sequence(next(self._seq_ids), request_id, list(token_ids), len(token_ids), params,
-                           arrival_time, index=i, priority=priority)
+                           arrival_time, index=i, priority=priority, lora_request=lora_request)
             if params.seed is not None:
                 seq.generator = torch.Generator(self.runner.device).manual_seed(params.seed + i)
             seqs.append(seq)
             samples.append(SampleText(self.tokenizer.stream(params.skip_special_tokens)))
         return Request(request_id, text, token_ids, params, seqs, samples, RequestMetrics(arrival_time=arrival_time),
                        None if params.prompt_logprobs is None else [None])
+
+    def add_lora(self, request: LoRARequest) -> None:
+        """Check and cache an adapter (vLLM's name); a ValueError says why it cannot run here."""
+        self.runner.check_lora(request)
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """Forget an adapter's weights (requests that name it again reload it); whether it was held."""
+        return self.runner.lora is not None and self.runner.lora.remove(lora_int_id)
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         return self._end_request(request_id, "abort")
@@ -210,8 +228,8 @@ class LLMEngine:
     def _start(self, req: Request, grammar: Future | None) -> None:
         if grammar is not None:
             compiled: CompiledGrammar = grammar.result()
-            for seq in req.seqs:
-                seq.grammar = compiled.matcher()
+            for seq in req.seqs:  # gated: a constraint that starts after the reasoning (grammar_gate.py)
+                seq.grammar = gated(compiled.matcher(), req.params.structured_outputs.start_after)
         # The other samples fork from the first once its prompt is computed: one prefill, shared blocks.
         req.seqs[0].pending_forks = req.seqs[1:]
         self.isolation.admit(req.seqs[0])
@@ -259,6 +277,8 @@ class LLMEngine:
                 self.ranks_in_step = False  # shutdown must not send them anything: they are in a collective
                 raise EngineDeadError(str(e)) from e
             return [o for rid in self.isolation.failed(e, self.requests) for o in self._fail_request(rid, e)]
+        finally:
+            self.kv_events.publish()  # the step's blocks stored and evicted, as one batch
         self.isolation.after_step(self.requests)
         return outputs
 

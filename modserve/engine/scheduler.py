@@ -54,8 +54,12 @@ class SchedulerCore(SchedulerView):
     def __init__(self, policy: Scheduler, allocator: KVAllocator, limits: SchedulerLimits, policy_name: str,
                  preemption_mode: Literal["recompute", "swap"] = "recompute",
                  swap_space: SwapSpace | None = None, connector: KVConnector | None = None,
-                 kv_role: KVRole = "both", eos_token_ids: Collection[int] = ()) -> None:
+                 kv_role: KVRole = "both", eos_token_ids: Collection[int] = (), max_loras: int = 0) -> None:
         self.policy = policy
+        self.max_loras = max_loras  # enable_lora: the most distinct adapters running at once
+        if max_loras and getattr(allocator, "caching", False) and not allocator.keys_by_adapter:
+            raise ValueError(f"enable_lora: the KV allocator {type(allocator).__name__} does not keep adapters' "
+                             "prefix-cache blocks apart: use kv_allocator paged, or its enable_prefix_caching off")
         self.eos_token_ids = frozenset(eos_token_ids)
         self.allocator = allocator
         self.limits = limits
@@ -157,8 +161,12 @@ class SchedulerCore(SchedulerView):
                 seq.num_lookahead = 0
 
     def _schedule(self) -> ScheduledStep:
-        with calling(self.policy, "scheduler", "schedule()"):
-            schedule = self.policy.schedule(self)
+        waiting, self.waiting = self.waiting, self._admissible(self.waiting)
+        try:  # the policy sees only the waiting sequences whose adapter fits beside the running ones'
+            with calling(self.policy, "scheduler", "schedule()"):
+                schedule = self.policy.schedule(self)
+        finally:
+            self.waiting = waiting
         if not isinstance(schedule, Schedule) or not isinstance(schedule.tokens, dict):
             raise broke(self.policy, "scheduler", "schedule()", "a Schedule (tokens: a dict of sequence -> int)",
                         described(schedule))
@@ -198,6 +206,22 @@ class SchedulerCore(SchedulerView):
             out.seqs.append(seq)
             out.num_new_tokens.append(n)
         out.copies = self.allocator.take_copies()
+        return out
+
+    def _admissible(self, waiting: deque[Sequence]) -> deque[Sequence]:
+        """``waiting`` less the sequences whose LoRA adapter would be one more than ``max_loras``
+        beside the running and swapped ones' (and those admitted before it): they wait for a slot."""
+        if not self.max_loras:
+            return waiting
+        held = {s.lora_request.lora_int_id for s in (*self.running, *self.swapped) if s.lora_request is not None}
+        out: deque[Sequence] = deque()
+        for seq in waiting:
+            lora = seq.lora_request
+            if lora is not None and lora.lora_int_id not in held:
+                if len(held) >= self.max_loras:
+                    continue
+                held.add(lora.lora_int_id)
+            out.append(seq)
         return out
 
     def _match_prefix(self, seq: Sequence, n: int, available: int) -> tuple[int, int]:
@@ -252,7 +276,7 @@ class SchedulerCore(SchedulerView):
         made there when missing. NOTE: a prefix-cache allocator extends that list too, maybe
         past the prompt (blocks of output tokens), and finds what was made here."""
         full = seq.num_prompt_tokens // self.allocator.block_size
-        return block_keys(seq.token_ids, self.allocator.block_size, full, seq.block_hashes)[:full]
+        return block_keys(seq.token_ids, self.allocator.block_size, full, seq.block_hashes, seq.cache_salt)[:full]
 
     def drop_failed_loads(self, scheduled: ScheduledStep, seqs: list[Sequence], requeue: bool) -> None:
         """Take sequences whose KV could not be loaded out of the step and free their blocks;

@@ -21,6 +21,7 @@ from torch import nn
 from modserve.core.contracts.quantizer import LinearSpec, Quantizer, TensorLayout
 from modserve.core.contracts.moe_backend import MoEBackend
 from modserve.core.plugin_calls import broke, described, failed
+from modserve.runner.checkpoint import CheckpointTensor, as_tensor
 from modserve.runner.parallel import TensorParallel
 
 
@@ -41,28 +42,32 @@ class Linear(nn.Module):
         quantizer.create_weights(self, spec)
         self.loaded: set[tuple[str, int]] = set()
         self.checked = False  # the quantizer's output shape, checked at the first eager call
+        self.lora = None  # a LinearLoRA (runner/lora.py) under enable_lora: its adapters' slots
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] -> [T, out]
         if torch.compiler.is_compiling():  # NOTE: traced code stays free of the checks' branches
             y = self.quantizer.apply(self, x)
         else:
             y = quantized_apply(self, x)
+        if self.lora is not None:  # before the all-reduce: a row-parallel rank's update is partial too
+            y = self.lora(y, x)
         return self.tp.all_reduce(y) if self.spec.parallel == "row" else y  # the ranks' partial sums
 
-    def load(self, name: str, tensor: torch.Tensor, shard: int = 0) -> None:
+    def load(self, name: str, tensor: torch.Tensor | CheckpointTensor, shard: int = 0) -> None:
         """One checkpoint tensor (``name``: its last name part) of output shard ``shard``,
-        this rank's slice of it under tensor parallelism."""
+        this rank's slice of it under tensor parallelism (of a checkpoint handle, only the
+        slice is read)."""
         if name == "bias" and self.bias is not None:
-            if self.spec.parallel == "row" and self.tp.rank:
-                tensor = torch.zeros_like(tensor)  # added once, by rank 0, before the all-reduce
-            load_shard(self.bias, self._rank_slice(name, tensor, shard, BIAS_LAYOUT), self.spec, shard, dim=0,
-                       name=name)
+            if self.spec.parallel == "row" and self.tp.rank:  # added once, by rank 0, before the all-reduce
+                tensor = torch.zeros(tensor.shape, dtype=tensor.dtype or self.spec.dtype)
+            load_shard(self.bias, as_tensor(self._rank_slice(name, tensor, shard, BIAS_LAYOUT)), self.spec, shard,
+                       dim=0, name=name)
         else:
-            self.quantizer.load_weight(self, name, self._rank_slice(name, tensor, shard), shard)
+            self.quantizer.load_weight(self, name, as_tensor(self._rank_slice(name, tensor, shard)), shard)
         self.loaded.add((name, shard))
 
-    def _rank_slice(self, name: str, tensor: torch.Tensor, shard: int,
-                    layout: TensorLayout | None = None) -> torch.Tensor:
+    def _rank_slice(self, name: str, tensor: torch.Tensor | CheckpointTensor, shard: int,
+                    layout: TensorLayout | None = None) -> torch.Tensor | CheckpointTensor:
         spec = self.spec
         if spec.tp_size == 1 or spec.parallel is None:
             return tensor
@@ -142,12 +147,14 @@ def padded_vocab(vocab_size: int, tp_size: int, multiple: int = 64) -> int:
     return -(-vocab_size // step) * step
 
 
-def load_vocab_rows(dst: torch.Tensor, src: torch.Tensor, start: int, vocab_size: int, name: str) -> None:
-    """Rows ``start:+len(dst)`` of a ``[vocab, hidden]`` checkpoint tensor; padding rows zero."""
+def load_vocab_rows(dst: torch.Tensor, src: torch.Tensor | CheckpointTensor, start: int, vocab_size: int,
+                    name: str) -> None:
+    """Rows ``start:+len(dst)`` of a ``[vocab, hidden]`` checkpoint tensor (only those read);
+    padding rows zero."""
     if tuple(src.shape) != (vocab_size, dst.shape[1]):
         raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(src.shape)}, expected "
                          f"{(vocab_size, dst.shape[1])}")
-    rows = src[start : start + dst.shape[0]]
+    rows = as_tensor(src[start : start + dst.shape[0]])
     with torch.no_grad():
         dst[: rows.shape[0]].copy_(rows)
         dst[rows.shape[0] :].zero_()

@@ -14,6 +14,7 @@ from tqdm import tqdm
 from transformers import AutoConfig
 
 from modserve.core.config import EngineConfig
+from modserve.runner.checkpoint import DTYPES, CheckpointReads, CheckpointTensor
 
 logger = logging.getLogger("modserve")
 
@@ -59,19 +60,43 @@ def checkpoint_digest(model_dir: str | Path) -> str:
     return digest.hexdigest()[:16]
 
 
-def iter_weights(model_dir: str | Path, progress: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, tensor) for every tensor of the checkpoint, one file at a time."""
+def iter_weights(model_dir: str | Path, progress: bool = True,
+                 reads: CheckpointReads | None = None) -> Iterator[tuple[str, CheckpointTensor]]:
+    """(name, handle) for every tensor of the checkpoint, one file at a time: a handle reads
+    only the part its consumer narrows it to (:mod:`modserve.runner.checkpoint`), into
+    ``reads``, which also gets the checkpoint's size in bytes of tensor data."""
+    reads = reads if reads is not None else CheckpointReads()
     files = weight_files(model_dir)
     bar = tqdm(total=len(files), desc="Loading weights", unit="file", disable=not progress)
     for file in files:
         if file.suffix == ".safetensors":
-            with safe_open(str(file), framework="pt") as f:
-                for name in f.keys():
-                    yield name, f.get_tensor(name)
+            header = safetensors_header(file)
+            reads.size += sum(end - start for start, end in (t["data_offsets"] for t in header.values()))
+            source = safe_open(str(file), framework="pt")  # NOTE: open while any of its handles lives
+            for name, t in header.items():
+                yield name, CheckpointTensor(source, name, tuple(t["shape"]), DTYPES.get(t["dtype"]), reads)
         else:
-            yield from torch.load(file, map_location="cpu", weights_only=True, mmap=True).items()
+            tensors = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
+            reads.size += sum(t.numel() * t.element_size() for t in tensors.values())
+            for name, t in tensors.items():
+                yield name, CheckpointTensor(t, name, tuple(t.shape), t.dtype, reads)
         bar.update(1)
     bar.close()
+
+
+def safetensors_header(file: Path) -> dict[str, Any]:
+    """A safetensors file's tensors: name -> {dtype, shape, data_offsets}, in the file's order."""
+    size = file.stat().st_size
+    with file.open("rb") as f:
+        length = int.from_bytes(f.read(8), "little")
+        if not 0 < length <= size - 8:  # a corrupt length must not size the read
+            raise ValueError(f"{file}: not a safetensors file (a {length}-byte header in {size} bytes)")
+        try:
+            header = json.loads(f.read(length))
+        except ValueError as e:
+            raise ValueError(f"{file}: not a safetensors file (its header is not JSON: {e})") from None
+    header.pop("__metadata__", None)
+    return dict(sorted(header.items(), key=lambda item: item[1]["data_offsets"][0]))
 
 
 def generation_eos_ids(model_dir: str | Path) -> set[int]:

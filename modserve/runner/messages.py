@@ -14,6 +14,7 @@ import torch
 
 from modserve.core.contracts.attention_backend import AttentionMetadata
 from modserve.core.contracts.kv_connector import BlockTransfer
+from modserve.runner.lora import LoRAStep
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,6 +47,7 @@ class RunModel:
     swap_out: list[tuple[int, int]] = field(default_factory=list)  # device block -> host block
     swap_in: list[tuple[int, int]] = field(default_factory=list)  # host block -> device block
     kv_saves: list[BlockTransfer] = field(default_factory=list)
+    lora: LoRAStep | None = None  # enable_lora: the step's adapters and their rows
 
 
 @dataclass(frozen=True, slots=True)

@@ -21,6 +21,9 @@ from modserve.core.contracts.attention_backend import AttentionMetadata, Attenti
 from modserve.core.contracts.kv_connector import BlockTransfer, KVConnector, KVConnectorContext
 from modserve.core.contracts.platform import GraphSettings, ModelLoad, Platform, StepForward
 from modserve.core.contracts.sampler import SamplerOutput, SamplingBatch
+from modserve.runner.checkpoint import CheckpointReads, as_tensor
+from modserve.core.lora_request import LoRARequest
+from modserve.runner.lora import LoRASlots, LoRAStep, TorchLoRAKernel, lora_mapping
 from modserve.runner.linear import Unquantized, default_dtype, finish_linears, linear_factory, model_bytes
 from modserve.runner.loader import checkpoint_digest, checkpoint_dtype, iter_weights, load_hf_config
 from modserve.runner.messages import AllocateKVCache, LoadKV, RankMessage, RunModel
@@ -128,6 +131,11 @@ class ModelRunner:
         self.vocab_size = hf_config.vocab_size
         self.sampler = registry.create("sampler", config.sampler, self.vocab_size)
         self.model = self._load_model(registry, max_model_len, progress)
+        self.lora: LoRASlots | None = None
+        if config.enable_lora:
+            self.lora = LoRASlots(self.model, config.max_loras, config.max_lora_rank,
+                                  config.max_cpu_loras or config.max_loras,
+                                  self.platform.lora_kernel() or TorchLoRAKernel())
         self.connector: KVConnector | None = None
         if config.kv_connector is not None:
             layout = (f"{config.attention_backend.name}:{self.attn.kv_cache_shape(1)}:{self.attn_spec.kv_cache_dtype}:"
@@ -157,12 +165,19 @@ class ModelRunner:
         with torch.device("meta"), default_dtype(self.dtype):
             model = model_cls(self.hf_config, self.attn, max_model_len, make_linear=make_linear)
         model = model.to_empty(device=self.device)
-        model.load_weights(self._weights(progress))
+        self.checkpoint_reads = reads = CheckpointReads()
+        weights = self._weights(progress, reads)
+        # A model that takes checkpoint handles reads its part of each tensor; any other, whole tensors.
+        if not getattr(model, "reads_parts", False):
+            weights = ((name, as_tensor(t)) for name, t in weights)
+        model.load_weights(weights)
+        self._log_reads(reads)
         finish_linears(model)
         # Compile or not, and weight copies in the layouts its linear method reads: the platform's.
         cfg = self.config
-        finished = self.platform.finish_model(model, ModelLoad(
-            cfg.compile, cfg.dtype, cfg.prepack_weights, self.dtype, checkpoint_dtype(self.hf_config),
+        finished = self.platform.finish_model(model, ModelLoad(  # LoRA's row mapping is read eagerly, per step
+            "off" if cfg.enable_lora else cfg.compile, cfg.dtype, cfg.prepack_weights, self.dtype,
+            checkpoint_dtype(self.hf_config),
             self.quantizer is not None, self.quantizer is not None and self.quantizer.traceable()))
         self.compiled = finished.compiled
         self.weight_bytes = model_bytes(model)
@@ -179,14 +194,25 @@ class ModelRunner:
             logger.info("compile: the layers' ops around attention are compiled (torch.compile, inductor)")
         return model.eval()
 
-    def _weights(self, progress: bool):
-        """The checkpoint's tensors, less the KV cache scales (``*.k_scale``, ``*.v_scale``): one
-        scale per cache tensor, so the largest over the layers (none clip)."""
+    def _log_reads(self, reads: CheckpointReads) -> None:
+        """One line per rank, all logged by rank 0 (the others' counts gathered; workers log
+        nothing of their own): what each read of the checkpoint."""
+        rows = self.tp.all_ranks([reads.read, reads.size])
+        if len(rows) > 1 and not self.tp.driver:
+            return
+        first = self.pp.index * self.tp.size + self.tp.rank if len(rows) == 1 else 0
+        for rank, (read, size) in enumerate(rows, first):
+            logger.info("rank %d read %.1f MiB of the checkpoint's %.1f MiB (%.0f%%)", rank, read / 2**20,
+                        size / 2**20, 100 * read / max(size, 1))
+
+    def _weights(self, progress: bool, reads: CheckpointReads):
+        """The checkpoint's tensors (unread handles), less the KV cache scales (``*.k_scale``,
+        ``*.v_scale``): one scale per cache tensor, so the largest over the layers (none clip)."""
         scales: dict[str, list[float]] = {"k_scale": [], "v_scale": []}
-        for name, tensor in iter_weights(self.config.model, progress=progress):
+        for name, tensor in iter_weights(self.config.model, progress=progress, reads=reads):
             kind = name.rpartition(".")[2]
             if kind in scales:
-                scales[kind].append(float(tensor.float().max()))
+                scales[kind].append(float(as_tensor(tensor).float().max()))
                 continue
             yield name, tensor
         if self.attn_spec.kv_cache_dtype.itemsize == 1 and scales["k_scale"]:  # an fp8 cache's scales
@@ -222,7 +248,8 @@ class ModelRunner:
         pin = self.platform.pin_memory()
         self.host_caches = [torch.zeros(host_shape if i in self.layers else 0, dtype=kv_dtype, pin_memory=pin)
                             for i in range(self.attn_spec.num_layers)] if num_host_blocks else []
-        if self.pp.size == 1:  # a stage's forward takes the previous stage's hidden states: eager
+        # A pipeline stage's forward takes the previous stage's hidden states, LoRA's its rows' slots: eager
+        if self.pp.size == 1 and self.lora is None:
             cfg = self.config
             sizes = None if cfg.cuda_graph_sizes is None else tuple(cfg.cuda_graph_sizes)
             self.step_forward = self.platform.capture_graphs(self._forward, self.attn, GraphSettings(
@@ -258,7 +285,8 @@ class ModelRunner:
         saves = [t for ts in scheduled.kv_saves.values() for t in ts]
         logits = self.on_every_rank(RunModel(batch.input_ids, batch.meta,
                                              [batch.sample_rows, batch.spec_rows, batch.prompt_rows],
-                                             scheduled.copies, scheduled.swap_out, scheduled.swap_in, saves))
+                                             scheduled.copies, scheduled.swap_out, scheduled.swap_in, saves,
+                                             self._lora_step(scheduled.seqs, scheduled.num_new_tokens)))
         out, parts = ModelOutput(), []
         if batch.sampled:
             seqs, samples, tokens = self._sample(batch.sampled, logits[0])
@@ -284,8 +312,9 @@ class ModelRunner:
         if self.pp.size > 1:
             return self._run_stage(step.input_ids, step.meta, step.logit_rows)
         input_ids, meta, kv_saves = step.input_ids, step.meta, step.kv_saves
-        # [T, hidden]; a step that saves runs eagerly: a CUDA graph would not replay the saves
-        hidden = self._saving_forward(input_ids, meta, kv_saves) if kv_saves else self.step_forward(input_ids, meta)
+        with lora_mapping(self.lora.activate(step.lora) if self.lora is not None else None):
+            # [T, hidden]; a step that saves runs eagerly: a CUDA graph would not replay the saves
+            hidden = self._saving_forward(input_ids, meta, kv_saves) if kv_saves else self.step_forward(input_ids, meta)
         every_row = self._first_rows.get(hidden.shape[0])  # a step of decodes samples every row: no gather
         return [self.model.compute_logits(hidden if rows is every_row else hidden[rows]) if rows.numel() else None
                 for rows in step.logit_rows]
@@ -451,6 +480,26 @@ class ModelRunner:
         as_index = self._row_index
         return ModelInput(input_ids, meta, sampled, as_index(sample_rows), speculating, as_index(spec_rows),
                           prompt_seqs, as_index(prompt_rows), prompt_targets)
+
+    def check_lora(self, request: LoRARequest | None) -> None:
+        """A ValueError if ``request`` (an adapter or None) cannot run here; its weights cached if it can."""
+        if request is not None and self.lora is None:
+            raise ValueError(f"LoRA adapter {request.lora_name!r} requested, but LoRA is not enabled "
+                             "(enable_lora / --enable-lora)")
+        if request is not None:
+            self.lora.adapter(request)
+
+    def _lora_step(self, seqs: list[Sequence], num_new_tokens: list[int]) -> LoRAStep | None:
+        """Each adapter of the step's sequences and its rows (each sequence's ``n`` new ones, back to back)."""
+        if self.lora is None:
+            return None
+        rows: dict[LoRARequest, list[int]] = {}
+        start = 0
+        for s, n in zip(seqs, num_new_tokens):
+            if s.lora_request is not None:
+                rows.setdefault(s.lora_request, []).extend(range(start, start + n))
+            start += n
+        return LoRAStep(list(rows), list(rows.values()), start) if rows else None
 
     def _row_index(self, rows: list[int]) -> torch.Tensor:  # [len(rows)] int64
         """``rows`` (increasing) on the device; ``0 .. n - 1`` (every sequence of a step of

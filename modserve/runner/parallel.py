@@ -71,6 +71,16 @@ class TensorParallel:
         dist.broadcast(buf, 0, group=self.cpu_group)
         return obj if self.driver else pickle.loads(buf.numpy().tobytes())
 
+    def all_ranks(self, values: list[int]) -> list[list[int]]:
+        """Every rank's ``values`` (as many on each), by global rank, on the gloo group of
+        every rank; without one (a single rank), this rank's alone."""
+        if self.cpu_group is None:
+            return [values]
+        mine = torch.tensor(values, dtype=torch.int64)
+        parts = [torch.empty_like(mine) for _ in range(dist.get_world_size(self.cpu_group))]
+        dist.all_gather(parts, mine, group=self.cpu_group)
+        return [p.tolist() for p in parts]
+
 
 @dataclass(frozen=True, slots=True)
 class PipelineStage:

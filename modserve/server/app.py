@@ -29,9 +29,11 @@ from modserve.server.grammar_bounds import GrammarBounds
 from modserve.server.generate import add_generate_routes
 from modserve.server.metrics import ServerMetrics, server_metrics
 from modserve.server.vllm_metrics import VllmMetrics
+from modserve.server.lora import add_lora_routes, load_lora_modules, lora_cards
 from modserve.server.model_names import served_names
 from modserve.server.openapi import PROTECTED_PREFIXES, declare_errors
 from modserve.server.replicas import ReplicaSet
+from modserve.server.responses import add_response_routes
 from modserve.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                       DetokenizeResponse, ModelCard, ModelList, TokenizeRequest, TokenizeResponse)
 from modserve.server.http_hygiene import HTTPHygieneMiddleware
@@ -93,6 +95,7 @@ def create_app(engine: LLMEngine | Sequence[LLMEngine] | EngineClient, api_key: 
         if isinstance(async_engine, ReplicaSet):
             logger.info("data parallel: %d engine replicas, %s routing", len(async_engine), async_engine.routing)
         try:
+            await load_lora_modules(state)  # lora_modules: checked by the engine before any request
             yield
         finally:
             async_engine.stop()
@@ -112,6 +115,8 @@ def create_app(engine: LLMEngine | Sequence[LLMEngine] | EngineClient, api_key: 
     _add_routes(app, state, metrics)
     add_embedding_routes(app, state, async_engine)  # /v1/embeddings: a 400 unless the runner is pooling
     add_generate_routes(app, state)  # vLLM's token-in/token-out /inference/v1/generate, and /load
+    add_response_routes(app, state, config.max_stored_responses)  # /v1/responses
+    add_lora_routes(app, state)  # /v1/load_lora_adapter, /v1/unload_lora_adapter where allowed
     declare_errors(app)
     return app
 
@@ -129,11 +134,13 @@ def _add_routes(app: FastAPI, state: ServerState, metrics: ServerMetrics | VllmM
 
     @app.get("/v1/models")
     async def models() -> ModelList:
-        return ModelList(data=[_model_card(state, name) for name in (state.model_name, *state.model_aliases)])
+        return ModelList(data=[_model_card(state, name) for name in (state.model_name, *state.model_aliases)]
+                         + lora_cards(state))
 
     @app.get("/v1/models/{model:path}")
     async def model(model: str) -> ModelCard:
-        state.check_model(model)
+        if state.check_model(model) is not None:
+            return next(card for card in lora_cards(state) if card.id == model)
         return _model_card(state, state.model_name if model in state.hidden_aliases else model)
 
     @app.get("/health")

@@ -193,7 +193,7 @@ class AsyncEngine(EngineFrontend):
         if isinstance(command, AddRequest):
             try:
                 engine.add_request(command.request_id, command.prompt_token_ids, command.params,
-                                   command.arrival_time, command.priority)
+                                   command.arrival_time, command.priority, command.lora_request)
             except Exception as e:  # goes to that request alone
                 self._emit([(command.request_id, engine_error(e, "the engine refused the request"))])
         elif isinstance(command, AbortRequest):

@@ -3,6 +3,7 @@ calls and reasoning read from the output by tool_calls.py."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass, replace
 from typing import AsyncIterator
 
 from fastapi import Request
@@ -10,16 +11,18 @@ from fastapi.responses import Response, StreamingResponse
 from starlette.background import BackgroundTask
 
 from modserve.core.outputs import RequestOutput
+from modserve.core.sampling_params import SamplingParams
 from modserve.engine.client import OutputStream
 from modserve.engine.preprocess import truncate_prompt
 from modserve.server.async_engine import EngineError
+from modserve.server.beam_search import beam_params, beam_search
 from modserve.server.chat_tokenizer import TemplateInputs
 from modserve.server.logprobs import TokenText, chat_logprobs, prompt_logprobs
 from modserve.server.protocol import (ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest,
                                       ChatCompletionResponse, ChatMessage, DeltaMessage, Usage, now)
 from modserve.server.serving import (SSE_DONE, ServerState, StreamTally, arrival_time, engine_error_event,
-                                     final_outputs, new_id, sse, usage_counts)
-from modserve.server.tool_calls import OutputParser, check_thinking, template_inputs, tool_mode
+                                     final_outputs, new_id, refuse_lora_beams, sse, usage_counts)
+from modserve.server.tool_calls import OutputParser, check_thinking, reasoning_end, template_inputs, tool_mode
 
 
 async def chat_prompt(state: ServerState, messages: list[ChatMessage], add_generation_prompt: bool = True,
@@ -36,8 +39,19 @@ def _tool_call_id() -> str:
     return new_id("chatcmpl-tool")  # vLLM's
 
 
-async def create_chat_completion(body: ChatCompletionRequest, state: ServerState, request: Request) -> Response:
-    arrival = arrival_time()
+@dataclass(slots=True)
+class PreparedChat:
+    """A chat request checked and ready to submit (its constraint compiled)."""
+
+    prompt: list[int]
+    params: SamplingParams
+    mode: str  # tool_mode's
+    thinking: bool  # the output opens with reasoning (check_thinking)
+
+
+async def prepare_chat(body: ChatCompletionRequest, state: ServerState) -> PreparedChat:
+    """Every check, the prompt through the template, and the constraint compiled: what chat
+    completions and the Responses API (responses.py) share before they submit."""
     state.check_model(body.model)
     body.check()
     mode = tool_mode(body, state.parsers)  # before the sampling params: required and named add a constraint
@@ -57,15 +71,30 @@ async def create_chat_completion(body: ChatCompletionRequest, state: ServerState
     if not body.stream:
         state.response_bound.check_chat(body.n, len(prompt), params.max_tokens, state.max_model_len,
                                         body.num_logprobs, body.prompt_logprobs)
+    if thinking and params.structured_outputs is not None:  # the constraint starts after the reasoning
+        marker = await state.encode(reasoning_end(state.parsers), "messages", add_special_tokens=False)
+        params.structured_outputs = replace(params.structured_outputs, start_after=tuple(marker))
     await state.compile_grammar(params, body.constraint_param)
-    stream = state.submit([prompt], params, arrival, body.priority)
+    return PreparedChat(prompt, params, mode, thinking)
+
+
+async def create_chat_completion(body: ChatCompletionRequest, state: ServerState, request: Request) -> Response:
+    arrival = arrival_time()
+    chat = await prepare_chat(body, state)
     response_id = new_id("chatcmpl")
+    if body.use_beam_search:  # not streamed, no logprobs (the request's check refused them)
+        refuse_lora_beams(state.check_model(body.model))
+        search = beam_params(body, chat.params, [len(chat.prompt)], state)
+        outputs = await beam_search(state, [chat.prompt], search, arrival, body.priority, request)
+        return await state.json_response(
+            lambda token_text: _response(body, state, outputs, response_id, token_text, chat.mode, chat.thinking))
+    stream = state.submit([chat.prompt], chat.params, arrival, body.priority, state.check_model(body.model))
     if body.stream:
-        events = _stream(body, state, stream, response_id, len(prompt), mode, thinking)
+        events = _stream(body, state, stream, response_id, len(chat.prompt), chat.mode, chat.thinking)
         return StreamingResponse(events, media_type="text/event-stream", background=BackgroundTask(stream.close))
     outputs = await final_outputs(stream, request)
     return await state.json_response(
-        lambda token_text: _response(body, state, outputs, response_id, token_text, mode, thinking))
+        lambda token_text: _response(body, state, outputs, response_id, token_text, chat.mode, chat.thinking))
 
 
 def _response(body: ChatCompletionRequest, state: ServerState, outputs: list[RequestOutput],
@@ -81,7 +110,7 @@ def _response(body: ChatCompletionRequest, state: ServerState, outputs: list[Req
     scored = None
     if body.prompt_logprobs is not None and outputs and outputs[0].prompt_logprobs is not None:
         scored = prompt_logprobs(outputs[0].prompt_logprobs, token_text, body.prompt_logprobs)
-    return ChatCompletionResponse(id=response_id, model=state.model_name, choices=choices,
+    return ChatCompletionResponse(id=response_id, model=state.answer_model(body.model), choices=choices,
                                   usage=Usage.of(*usage_counts(outputs)), prompt_logprobs=scored)
 
 
@@ -90,7 +119,7 @@ async def _stream(body: ChatCompletionRequest, state: ServerState, stream: Outpu
     created = now()
 
     def chunk(choices: list[ChatChunkChoice], usage: Usage | None = None) -> str:
-        return sse(ChatCompletionChunk(id=response_id, created=created, model=state.model_name,
+        return sse(ChatCompletionChunk(id=response_id, created=created, model=state.answer_model(body.model),
                                        choices=choices, usage=usage or tally.chunk_usage()))
 
     tally = StreamTally(body.n, prompt_tokens, body.continuous_usage)

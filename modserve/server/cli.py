@@ -75,24 +75,24 @@ def engine_client(config: EngineConfig, args: argparse.Namespace) -> EngineClien
     from modserve.server.engine_process import start_engine_processes
     from modserve.server.replicas import ReplicaSet, replica_configs
 
-    configs = replica_configs(config)
+    configs, first = replica_configs(config), 0
     rank = getattr(args, "vllm_data_parallel_rank", None)
     if rank is not None:  # external load balancing: this server is one rank of the set
         if not 0 <= rank < config.data_parallel_size:
             raise SystemExit(f"--data-parallel-rank {rank} is not a rank of --data-parallel-size "
                              f"{config.data_parallel_size}")
-        configs = [configs[rank]]
+        configs, first = [configs[rank]], rank
     if getattr(args, "vllm_disable_frontend_multiprocessing", None):
         engines: list[Any] = []
         try:
-            for c in configs:  # one after the other: each sizes its KV cache on what is left
-                engines.append(LLMEngine(c, progress=False))
+            for i, c in enumerate(configs, first):  # one after the other: each sizes its KV cache on what is left
+                engines.append(LLMEngine(c, progress=False, dp_rank=i))
         except BaseException:
             for e in engines:
                 e.shutdown()
             raise
     else:
-        engines = start_engine_processes(configs)
+        engines = start_engine_processes(configs, first_rank=first)
     if len(engines) > 1:
         return ReplicaSet(engines)
     return engines[0] if not isinstance(engines[0], LLMEngine) else AsyncEngine(engines[0])

@@ -12,16 +12,18 @@ from modserve.core.outputs import RequestOutput
 from modserve.engine.client import OutputStream
 from modserve.engine.preprocess import truncate_prompt
 from modserve.server.async_engine import EngineError
+from modserve.server.beam_search import beam_params, beam_search
 from modserve.server.logprobs import TokenText, completion_logprobs, echo_logprobs, prompt_logprobs
 from modserve.server.protocol import (CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse,
                                       PromptLogprobs, Usage)
 from modserve.server.serving import (SSE_DONE, Piece, ServerState, StreamTally, arrival_time,
-                                     engine_error_event, final_outputs, new_id, sse, usage_counts)
+                                     engine_error_event, final_outputs, new_id, refuse_lora_beams, sse,
+                                     usage_counts)
 
 
 async def create_completion(body: CompletionRequest, state: ServerState, request: Request) -> Response:
     arrival = arrival_time()
-    state.check_model(body.model)
+    lora = state.check_model(body.model)
     body.check()
     texts = body.prompts()
     state.limits.check(body, len(texts))
@@ -41,8 +43,14 @@ async def create_completion(body: CompletionRequest, state: ServerState, request
                                               body.echo, body.logprobs, body.prompt_logprobs)
     await state.compile_grammar(params, body.constraint_param)
     echoes = [await state.decode(ids) for ids in prompts] if body.echo else None
-    stream = state.submit(prompts, params, arrival, body.priority)
     response_id = new_id("cmpl")
+    if body.use_beam_search:  # no stream, no echo, no logprobs (the request's check refused them)
+        refuse_lora_beams(lora)
+        search = beam_params(body, params, list(map(len, prompts)), state)
+        outputs = await beam_search(state, prompts, search, arrival, body.priority, request)
+        return await state.json_response(lambda token_text: _response(body, state, outputs, response_id, None,
+                                                                      token_text))
+    stream = state.submit(prompts, params, arrival, body.priority, lora)
     if body.stream:
         events = _stream(body, state, stream, response_id, echoes, sum(map(len, prompts)))
         return StreamingResponse(events, media_type="text/event-stream", background=BackgroundTask(stream.close))
@@ -66,7 +74,7 @@ def _response(body: CompletionRequest, state: ServerState, outputs: list[Request
             choices.append(CompletionChoice(index=i * body.n + c.index, text=prefix + c.text, logprobs=logprobs,
                                             finish_reason=c.finish_reason, stop_reason=c.stop_reason,
                                             prompt_logprobs=scored))
-    return CompletionResponse(id=response_id, model=state.model_name, choices=choices,
+    return CompletionResponse(id=response_id, model=state.answer_model(body.model), choices=choices,
                               usage=Usage.of(*usage_counts(outputs)))
 
 
@@ -96,15 +104,16 @@ async def _stream(body: CompletionRequest, state: ServerState, stream: OutputStr
                 for j in range(body.n):
                     offsets[i * body.n + j] = len(echoes[i])
                     yield _chunk(response_id, state, i * body.n + j, Piece(echoes[i], None, None, None), logprobs,
-                                 tally.chunk_usage())
+                                 tally.chunk_usage(), body.model)
             for index, piece in tally.pieces(stream, out):
                 logprobs = None
                 if piece.logprobs is not None:
                     logprobs = completion_logprobs(piece.logprobs, state.token_text, offsets.get(index, 0))
                 offsets[index] = offsets.get(index, 0) + len(piece.text)
-                yield _chunk(response_id, state, index, piece, logprobs, tally.chunk_usage())
+                yield _chunk(response_id, state, index, piece, logprobs, tally.chunk_usage(), body.model)
         if body.include_usage:
-            yield sse(CompletionResponse(id=response_id, model=state.model_name, choices=[], usage=tally.usage()))
+            yield sse(CompletionResponse(id=response_id, model=state.answer_model(body.model), choices=[],
+                                         usage=tally.usage()))
     except EngineError as e:
         yield engine_error_event(e)
     finally:
@@ -113,7 +122,7 @@ async def _stream(body: CompletionRequest, state: ServerState, stream: OutputStr
 
 
 def _chunk(response_id: str, state: ServerState, index: int, piece: Piece, logprobs,
-           usage: Usage | None = None) -> str:
+           usage: Usage | None = None, model: str | None = None) -> str:
     choice = CompletionChoice(index=index, text=piece.text, logprobs=logprobs,
                               finish_reason=piece.finish_reason, stop_reason=piece.stop_reason)
-    return sse(CompletionResponse(id=response_id, model=state.model_name, choices=[choice], usage=usage))
+    return sse(CompletionResponse(id=response_id, model=state.answer_model(model), choices=[choice], usage=usage))

@@ -47,7 +47,8 @@ def refuse_generate(app: FastAPI, route: str) -> None:
 
 async def create_embedding(body: EmbeddingRequest, state: ServerState, embedder: Embedder | None,
                            max_inputs: int) -> EmbeddingResponse:
-    state.check_model(body.model)
+    if state.check_model(body.model) is not None:  # the pooling runner has no adapter rows
+        raise invalid("model", f"{body.model!r} is a LoRA adapter: embeddings run on the base model only")
     if embedder is None:
         raise APIError(400, NOT_POOLING, code="model_not_supported")
     texts = body.inputs()

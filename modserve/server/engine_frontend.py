@@ -19,6 +19,7 @@ from itertools import count
 from typing import Any, Protocol
 
 from modserve.core.config import EngineConfig
+from modserve.core.lora_request import LoRARequest
 from modserve.core.outputs import RequestOutput
 from modserve.core.registry import PluginError
 from modserve.core.sampling_params import SamplingParams
@@ -89,6 +90,7 @@ class AddRequest:
     params: SamplingParams
     arrival_time: float
     priority: int
+    lora_request: LoRARequest | None = None
 
 
 @dataclass(slots=True)
@@ -136,11 +138,11 @@ class EngineFrontend(EngineClient):
         """Engine requests submitted and not yet ended (loop thread)."""
         return len(self._routes)
 
-    def submit(self, prompts: list[list[int]], params: SamplingParams,
-               arrival_time: float | None = None, priority: int = 0) -> "RequestStream":
+    def submit(self, prompts: list[list[int]], params: SamplingParams, arrival_time: float | None = None,
+               priority: int = 0, lora_request: LoRARequest | None = None) -> "RequestStream":
         """One engine request per prompt, all answered through one stream."""
         stream = RequestStream(self, self.new_request_ids(len(prompts)), self.stall_timeout)
-        self.add(stream, stream.request_ids, prompts, params, arrival_time, priority)
+        self.add(stream, stream.request_ids, prompts, params, arrival_time, priority, lora_request)
         return stream
 
     def new_request_ids(self, num: int) -> list[str]:
@@ -148,7 +150,8 @@ class EngineFrontend(EngineClient):
         return [f"req-{batch}-{i}" for i in range(num)]
 
     def add(self, stream: "RequestStream", request_ids: list[str], prompts: list[list[int]],
-            params: SamplingParams, arrival_time: float | None = None, priority: int = 0) -> None:
+            params: SamplingParams, arrival_time: float | None = None, priority: int = 0,
+            lora_request: LoRARequest | None = None) -> None:
         """Queue one engine request per prompt, named ``request_ids``, its outputs put to ``stream``
         (which may also take other engines' requests: see ReplicaSet)."""
         if not self.alive:
@@ -157,7 +160,7 @@ class EngineFrontend(EngineClient):
         for rid, token_ids in zip(request_ids, prompts):
             self._routes[rid] = stream
             self._waiting.add(rid)
-            self._send(AddRequest(rid, token_ids, params, arrival, priority))
+            self._send(AddRequest(rid, token_ids, params, arrival, priority, lora_request))
 
     def abort(self, request_id: str, reason: str = "abort") -> None:
         """End a request that has not finished; ``reason`` is what /metrics counts it as."""

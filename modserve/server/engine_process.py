@@ -127,11 +127,11 @@ def launch_core(config: EngineConfig, dp_rank: int) -> CoreLaunch:
     return CoreLaunch(dp_rank, proc, context, inbox, outbox, beats, run_dir)
 
 
-def start_engine_processes(configs: list[EngineConfig], observer: RequestObserver | None = None
-                           ) -> list[EngineProcess]:
-    """One engine-core process per config (data-parallel rank), each Ready; if one fails, every
-    one started is killed and EngineStartError says why."""
-    launches = [launch_core(c, i) for i, c in enumerate(configs)]
+def start_engine_processes(configs: list[EngineConfig], observer: RequestObserver | None = None,
+                           first_rank: int = 0) -> list[EngineProcess]:
+    """One engine-core process per config (data-parallel ranks ``first_rank`` on), each Ready; if
+    one fails, every one started is killed and EngineStartError says why."""
+    launches = [launch_core(c, i) for i, c in enumerate(configs, first_rank)]
     engines: list[EngineProcess] = []
     try:
         for launch in launches:
@@ -207,7 +207,8 @@ class EngineProcess(EngineFrontend):
     def _send(self, command: AddRequest | AbortRequest) -> None:
         if isinstance(command, AddRequest):
             message: msgspec.Struct = p.Add(command.request_id, command.prompt_token_ids, p.pack(command.params),
-                                            command.arrival_time, command.priority)
+                                            command.arrival_time, command.priority,
+                                            p.pack(command.lora_request) if command.lora_request else b"")
         else:
             message = p.Abort([command.request_id])
             self._aborted.append(command.request_id)

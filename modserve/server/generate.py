@@ -169,7 +169,7 @@ def _under(prefix: str) -> Iterator[None]:
 
 async def create_generate(body: GenerateRequest, state: ServerState, request: Request) -> Response:
     arrival = arrival_time()
-    state.check_model(body.model)
+    lora = state.check_model(body.model)
     body.check()
     sp = body.sampling_params
     with _under("sampling_params"):
@@ -184,7 +184,7 @@ async def create_generate(body: GenerateRequest, state: ServerState, request: Re
         with _under("sampling_params"):
             state.response_bound.check_completion(sp.n, [len(ids)], params.max_tokens, state.max_model_len, False,
                                                   sp.logprobs, sp.prompt_logprobs)
-    stream = state.submit([ids], params, arrival, body.priority)
+    stream = state.submit([ids], params, arrival, body.priority, lora)
     request_id = body.request_id or new_id("gen")
     if body.stream:
         events = _stream(body, state, stream, request_id, len(ids))

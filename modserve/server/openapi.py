@@ -17,6 +17,7 @@ from pydantic.json_schema import models_json_schema
 
 from modserve.server.generate import GenerateResponse, GenerateStreamResponse
 from modserve.server.protocol import ChatCompletionChunk, ChatCompletionResponse, CompletionResponse
+from modserve.server.responses_protocol import ResponseEvent, ResponseObject
 
 _REF = "#/components/schemas/{model}"
 
@@ -48,6 +49,7 @@ _GENERATION: dict[str, tuple[type[BaseModel], type[BaseModel]]] = {
     "/v1/completions": (CompletionResponse, CompletionResponse),
     "/v1/chat/completions": (ChatCompletionResponse, ChatCompletionChunk),
     "/inference/v1/generate": (GenerateResponse, GenerateStreamResponse),
+    "/v1/responses": (ResponseObject, ResponseEvent),
 }
 
 Operation = dict[str, Any]
@@ -62,7 +64,8 @@ def _has_body(path: str, op: Operation) -> bool:
 
 
 def _names_model(path: str, op: Operation) -> bool:
-    return "{model}" in path or _has_body(path, op)  # every request body has an optional `model`
+    # every request body has an optional `model`; a stored response's id may be unknown
+    return "{model}" in path or "{response_id}" in path or _has_body(path, op)
 
 
 def _protected(path: str, op: Operation) -> bool:
@@ -74,7 +77,7 @@ _ERRORS: dict[int, tuple[str, Callable[[str, Operation], bool]]] = {
     # Any route: modserve.server.http_hygiene refuses ambiguous headers before routing.
     400: ("Invalid request: a bad or unknown field, malformed JSON, or ambiguous headers", _always),
     401: ("Missing or wrong API key (only when the server has one)", _protected),
-    404: ("The model named is not the one served", _names_model),
+    404: ("The model named is not the one served, or no stored response has the id", _names_model),
     # modserve.server.limits reads every request's body, whatever the route, before routing.
     408: ("The request body did not arrive in time", _always),
     413: ("Request body too large", _always),
@@ -103,6 +106,8 @@ _EXAMPLES: dict[str, dict[str, dict[str, Any]]] = {
                              "stream": {"messages": _HELLO, "max_tokens": 8, **_STREAM}},
     "/tokenize": {"prompt": {"prompt": "Hello"}, "messages": {"messages": _HELLO}},
     "/detokenize": {"tokens": {"tokens": [1, 2, 3]}},
+    "/v1/responses": {"plain": {"input": "Hello", "max_output_tokens": 8},
+                      "stream": {"input": "Hello", "max_output_tokens": 8, "stream": True}},
 }
 
 _HEADERS: dict[int, dict[str, Any]] = {
@@ -200,6 +205,10 @@ def _sse_event(chunk: type[BaseModel]) -> dict[str, Any]:
 
 def _fix_plain_routes(paths: dict[str, Any]) -> None:
     """/metrics is Prometheus text, and /health's body is fixed; FastAPI sees only ``Response``."""
+    stored = paths.get("/v1/responses/{response_id}", {}).get("get")
+    if stored is not None:
+        stored["responses"]["200"]["content"] = {"application/json": {"schema": {
+            "$ref": _REF.format(model="ResponseObject")}}}
     if "/metrics" in paths:
         paths["/metrics"]["get"]["responses"]["200"]["content"] = {"text/plain": {"schema": {"type": "string"}}}
     if "/health" in paths:

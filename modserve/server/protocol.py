@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import json
 import time
-from typing import Annotated, Any, Literal, Mapping
+from typing import Annotated, Any, ClassVar, Literal, Mapping
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from modserve.beam_search import MAX_LENGTH_PENALTY
 from modserve.core.sampling_params import INT64_MAX, INT64_MIN, SamplingParams
 from modserve.server.errors import invalid
 from modserve.server.structured_outputs import ConstraintFields
@@ -104,6 +105,9 @@ class SamplingRequest(TextChecked, ConstraintFields):
     allowed_token_ids: list[TokenId] | None = None  # only these may be sampled
     bad_words: list[str] | None = None  # at most max_bad_words (request_limits.py)
     truncate_prompt_tokens: int | None = Field(None, ge=-1, le=INT64_MAX)  # keep the last k; -1: max_model_len
+    use_beam_search: bool = False  # vLLM's: n is the beam width (server/beam_search.py)
+    # beam search's: a beam ranks by cum_logprob / length ** length_penalty (bounded: the power stays finite)
+    length_penalty: float = Field(1.0, ge=-MAX_LENGTH_PENALTY, le=MAX_LENGTH_PENALTY)
 
     def check(self) -> None:
         """Checks across fields; each names the field at fault."""
@@ -116,6 +120,21 @@ class SamplingRequest(TextChecked, ConstraintFields):
             # A constraint ends the output where its grammar does, which may come before min_tokens.
             raise invalid("min_tokens", f"cannot be combined with {self.constraint_param}: the constraint "
                           "decides where the output ends")
+        if self.use_beam_search:
+            self._check_beam_search()
+
+    # What beam search does not apply (vLLM ignores them): a 400 rather than a silent difference.
+    BEAM_SEARCH_UNUSED: ClassVar[tuple[str, ...]] = (
+        "stream", "stop", "stop_token_ids", "min_tokens", "logit_bias", "bad_words", "allowed_token_ids",
+        "prompt_logprobs", "logprobs", "top_logprobs", "echo")
+
+    def _check_beam_search(self) -> None:
+        for name in self.BEAM_SEARCH_UNUSED:
+            if name in type(self).model_fields and getattr(self, name) != type(self).model_fields[name].default:
+                why = "the beams are ranked when the search ends" if name == "stream" else "it does not apply"
+                raise invalid(name, f"cannot be combined with use_beam_search ({why})")
+        if self.constraint_param is not None:
+            raise invalid(self.constraint_param, "cannot be combined with use_beam_search")
 
     @property
     def include_usage(self) -> bool:
@@ -196,7 +215,8 @@ class CompletionRequest(SamplingRequest):
         if self.suffix:
             raise invalid("suffix", "not supported")
         if self.best_of is not None and self.best_of != self.n:
-            raise invalid("best_of", "not supported (it may only equal n)")
+            raise invalid("best_of", "not supported: it may only equal n (vLLM removed best_of; ask n samples "
+                          "with logprobs and rank them, or use_beam_search with n beams)")
         if self.max_tokens == 0 and not self.echo and self.prompt_logprobs is None:
             raise invalid("max_tokens", "must be at least 1 (0 only with echo or prompt_logprobs)")
 
@@ -498,6 +518,7 @@ class ModelCard(BaseModel):
     created: int = Field(default_factory=now)
     owned_by: str = "modserve"
     root: str | None = None
+    parent: str | None = None  # a LoRA adapter's base model
     max_model_len: int | None = None
 
 

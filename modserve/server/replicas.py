@@ -25,6 +25,7 @@ from typing import Any, Callable, Literal, Mapping, Sequence
 
 from modserve.core.config import EngineConfig
 from modserve.core.contracts.kv_allocator import block_keys
+from modserve.core.lora_request import LoRARequest
 from modserve.core.structured_outputs import GrammarSpec
 from modserve.engine.client import EngineClient
 from modserve.engine.engine import LLMEngine
@@ -274,8 +275,8 @@ class ReplicaSet(EngineClient):
         return sum(r.num_in_flight for r in self.replicas)
 
     # -- requests -------------------------------------------------------------------------------
-    def submit(self, prompts: list[list[int]], params: SamplingParams,
-               arrival_time: float | None = None, priority: int = 0) -> RequestStream | SplitStream:
+    def submit(self, prompts: list[list[int]], params: SamplingParams, arrival_time: float | None = None,
+               priority: int = 0, lora_request: LoRARequest | None = None) -> RequestStream | SplitStream:
         """Each prompt to its replica (see :class:`Router`); one stream for all of them. Only
         live replicas get requests; with none, EngineDead."""
         loads = {i: r.num_in_flight for i, r in enumerate(self.replicas) if r.alive}
@@ -288,7 +289,7 @@ class ReplicaSet(EngineClient):
             groups.setdefault(route.replica, []).append(pos)
         if len(groups) <= 1:
             replica = next(iter(groups), min(loads))
-            return self.replicas[replica].submit(prompts, params, arrival_time, priority)
+            return self.replicas[replica].submit(prompts, params, arrival_time, priority, lora_request)
         ids = [""] * len(prompts)
         for replica, positions in groups.items():
             for pos, rid in zip(positions, self.replicas[replica].new_request_ids(len(positions))):
@@ -297,7 +298,7 @@ class ReplicaSet(EngineClient):
         try:
             for replica, positions in groups.items():
                 self.replicas[replica].add(stream, [ids[p] for p in positions], [prompts[p] for p in positions],
-                                           params, arrival_time, priority)
+                                           params, arrival_time, priority, lora_request)
         except BaseException:
             stream.close()
             raise

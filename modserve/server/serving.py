@@ -13,6 +13,7 @@ from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 from pydantic import BaseModel
 
+from modserve.core.lora_request import LoRARequest
 from modserve.core.outputs import CompletionOutput, RequestOutput
 from modserve.core.sampling_params import SamplingParams
 from modserve.server.chat_tokenizer import ChatTokenizer, TemplateInputs
@@ -48,6 +49,12 @@ def _json(payload: dict[str, Any]) -> str:
     return json.dumps(payload, ensure_ascii=False)
 
 
+def refuse_lora_beams(lora: LoRARequest | None) -> None:
+    """Beam search runs on the base model only: a request naming an adapter gets a 400, not the base's beams."""
+    if lora is not None:
+        raise invalid("use_beam_search", f"is not supported with a LoRA adapter (model {lora.lora_name!r})")
+
+
 def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
@@ -73,6 +80,7 @@ class ServerState:
     generation_defaults: GenerationDefaults = field(default_factory=GenerationDefaults)
     model_aliases: tuple[str, ...] = ()  # more names requests may use (served_model_name's others)
     hidden_aliases: tuple[str, ...] = ()  # accepted, never listed: the model's local path (model_names.py)
+    loras: dict[str, LoRARequest] = field(default_factory=dict)  # adapter name -> adapter (enable_lora)
     draining: bool = False  # set on SIGTERM: new requests get 503, those in flight finish
     token_strings: dict[int, str] = field(default_factory=dict)
     # No token is longer than this many characters: a text over max_model_len times it
@@ -90,10 +98,18 @@ class ServerState:
         self.max_token_chars = max(len(t) for t in vocab)
         self.response_bound = ResponseBound.of(self.max_response_bytes, vocab)
 
-    def check_model(self, name: str | None) -> None:
+    def check_model(self, name: str | None) -> LoRARequest | None:
+        """The LoRA adapter ``name`` selects (None: the base model), or a 404 for a name not served."""
+        if name is not None and (lora := self.loras.get(name)) is not None:
+            return lora
         if name is not None and name != self.model_name and name not in (*self.model_aliases, *self.hidden_aliases):
             raise APIError(404, f"The model `{name}` does not exist. This server serves `{self.model_name}`.",
                            param="model", code="model_not_found")
+        return None
+
+    def answer_model(self, name: str | None) -> str:
+        """The ``model`` an answer reports: the adapter a request named (as vLLM's), else the served name."""
+        return name if name in self.loras else self.model_name
 
     def check_length(self, num_chars: int, param: str) -> None:
         if num_chars > self.max_model_len * self.max_token_chars:
@@ -159,7 +175,7 @@ class ServerState:
                           f"{self.max_waiting_requests} can ever queue; send them in smaller batches")
 
     def submit(self, prompts: list[list[int]], params: SamplingParams, arrival: float,
-               priority: int = 0) -> OutputStream:
+               priority: int = 0, lora_request: LoRARequest | None = None) -> OutputStream:
         """Hand the prompts to the engine, or 503 when too many are already waiting."""
         self.check_batch(len(prompts))
         if self.draining:
@@ -170,7 +186,7 @@ class ServerState:
                            f"(max_waiting_requests={self.max_waiting_requests}). Retry shortly.",
                            type="server_error", code="server_overloaded", headers={"Retry-After": "1"})
         try:
-            stream = self.engine.submit(prompts, params, arrival, priority)
+            stream = self.engine.submit(prompts, params, arrival, priority, lora_request)
         except EngineDead as e:
             raise APIError(503, str(e), type="server_error", code="engine_dead") from None
         if self.on_submit is not None:

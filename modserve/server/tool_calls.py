@@ -106,18 +106,25 @@ def tool_mode(body: ChatCompletionRequest, settings: ParserSettings) -> str:
 
 def check_thinking(body: ChatCompletionRequest, settings: ParserSettings, prompt_tail: str) -> bool:
     """Whether the output starts with reasoning: a reasoning parser is set and the prompt (its
-    last characters) has not closed the reasoning already. A constraint is then refused.
+    last characters) has not closed the reasoning already. A constraint then starts after the
+    parser's ``end_marker`` (:func:`reasoning_end`); a parser without one refuses it.
 
-    NOTE: a constraint holds from the output's first token (the engine knows no reasoning
-    section), so it would force the answer's format onto the reasoning."""
+    NOTE: without a marker the engine cannot tell where the reasoning ends, and the
+    constraint would force the answer's format onto the reasoning."""
     thinking = settings.reasoning is not None and not settings.reasoning.create(
         settings.reasoning_options or {}).ended_in(prompt_tail)
-    if thinking and body.constraint is not None:
-        raise invalid(body.constraint_param, "cannot be combined with the server's reasoning parser while the model "
-                      "reasons: the constraint would apply from the first token, before the reasoning ends (a chat "
-                      "template that closes the reasoning in the prompt, as Qwen3's with enable_thinking false, "
-                      "lifts this)")
+    if thinking and body.constraint is not None and reasoning_end(settings) is None:
+        raise invalid(body.constraint_param, f"cannot be combined with the reasoning parser "
+                      f"{settings.reasoning.name!r} while the model reasons: it names no end marker, so the "
+                      "constraint would apply from the first token (a chat template that closes the reasoning in "
+                      "the prompt, as Qwen3's with enable_thinking false, lifts this)")
     return thinking
+
+
+def reasoning_end(settings: ParserSettings) -> str | None:
+    """The text that ends the reasoning, after which a constraint holds (None: no parser, or
+    one without a marker)."""
+    return settings.reasoning.load().end_marker if settings.reasoning is not None else None
 
 
 def required_schema(body: ChatCompletionRequest) -> dict[str, Any]:

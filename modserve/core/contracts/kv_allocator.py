@@ -8,7 +8,8 @@ import hashlib
 from abc import ABC, abstractmethod
 from array import array
 from collections import abc
-from typing import Iterable
+from dataclasses import dataclass
+from typing import Iterable, Union
 
 from pydantic import BaseModel
 
@@ -16,23 +17,54 @@ from modserve.core.sequence import Sequence
 
 
 def block_keys(token_ids: abc.Sequence[int], block_size: int, num_blocks: int | None = None,
-               chain: list[str] | None = None) -> list[str]:
+               chain: list[str] | None = None, salt: bytes = b"") -> list[str]:
     """The content keys of the first ``num_blocks`` full blocks of ``token_ids`` (default: all):
     block i's is the hex sha256 of block i-1's digest and its tokens as int64s, so equal keys
     mean equal tokens from the first to the block's end, in every process and run. The prefix
     cache, the KV connector's store and the data-parallel router all name blocks by it.
 
+    ``salt``: what the first key hashes with its tokens (``seq.cache_salt``: adapters' KV apart).
     ``chain``: the keys already made for these tokens (``seq.block_hashes``), extended in place
     and returned. NOTE: another caller may have made it longer than ``num_blocks``: read only
     the first ``num_blocks``."""
     keys = [] if chain is None else chain
     full = len(token_ids) // block_size
     stop = full if num_blocks is None else min(num_blocks, full)
-    parent = bytes.fromhex(keys[-1]) if keys else b""
+    parent = bytes.fromhex(keys[-1]) if keys else salt  # a LoRA adapter's (Sequence.cache_salt): its own chain
     for start in range(len(keys) * block_size, stop * block_size, block_size):
         parent = hashlib.sha256(parent + array("q", token_ids[start:start + block_size]).tobytes()).digest()
         keys.append(parent.hex())
     return keys
+
+
+# KV cache events (``kv_events_config``): what a router needs to know which engine holds which prefix.
+@dataclass(slots=True)
+class BlockStored:
+    """Full blocks became reusable by later requests (prefix cache), in chain order: ``keys`` are
+    their ``block_keys``, ``parent_key`` the key of the block before the first (None: it starts
+    the prompt), ``token_ids`` their tokens (``len(keys) * block_size``); ``lora_id`` and
+    ``lora_name``: the adapter whose KV they hold (``seq.lora_request``), None for the base model."""
+
+    keys: list[str]
+    parent_key: str | None
+    token_ids: list[int]
+    lora_id: int | None = None
+    lora_name: str | None = None
+
+
+@dataclass(slots=True)
+class BlockRemoved:
+    """Cached blocks were evicted: no later request can reuse them."""
+
+    keys: list[str]
+
+
+@dataclass(slots=True)
+class AllBlocksCleared:
+    """``reset_prefix_cache``: every cached block is forgotten."""
+
+
+KVCacheEvent = Union[BlockStored, BlockRemoved, AllBlocksCleared]
 
 
 class KVAllocator(ABC):
@@ -47,12 +79,38 @@ class KVAllocator(ABC):
     copies it first (copy-on-write) and reports the copy through ``take_copies``.
     """
 
+    #: True when the allocator reports its prefix cache's changes (``enable_events``).
+    reports_events = False
+    #: True when its prefix cache keys blocks by ``seq.cache_salt`` (``block_keys``' salt), so LoRA
+    #: adapters never share KV; the engine refuses enable_lora with a caching allocator that does not.
+    keys_by_adapter = False
+
     def __init__(self, num_blocks: int, block_size: int, max_model_len: int,
                  options: BaseModel | None = None) -> None:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.max_model_len = max_model_len
         self.options = options
+        self.events: list[KVCacheEvent] | None = None  # recording when a list (enable_events)
+
+    def enable_events(self) -> None:
+        """Record KV cache events from now on (the engine calls it once, before any request, when
+        ``kv_events_config`` enables them). An allocator with ``reports_events`` then calls
+        ``record``: ``BlockStored`` when full blocks enter its prefix cache, ``BlockRemoved`` when it
+        evicts them, ``AllBlocksCleared`` on ``reset_prefix_cache``; so the stream alone rebuilds
+        the set of cached block keys. NOTE: a key stored twice (two copies) is removed twice."""
+        self.events = []
+
+    def record(self, event: KVCacheEvent) -> None:
+        """Keep ``event`` for ``take_events`` if recording; else nothing (no cost when off)."""
+        if self.events is not None:
+            self.events.append(event)
+
+    def take_events(self) -> list[KVCacheEvent]:
+        """The events recorded since the last call, oldest first (the engine takes them after
+        each step and publishes them)."""
+        events, self.events = self.events, ([] if self.events is not None else None)
+        return events or []
 
     @abstractmethod
     def num_free_blocks(self) -> int:

@@ -32,7 +32,15 @@ class CausalLM(torch.nn.Module):
     ``hidden_states=``: None on the first stage (embed ``input_ids``), else the previous
     stage's output; the last stage (its layers end at the last one) returns the normed
     hidden states, every other stage the residual stream as its last layer left it.
+
+    Reading: a model whose ``reads_parts`` is True receives unread checkpoint handles
+    (``modserve.api.CheckpointTensor``: ``shape``, ``narrow``, ``[...]``, ``chunk``; read by
+    ``read()`` or ``as_tensor``), so each rank reads only the parts it keeps (its slices, its
+    stage's layers, its experts); ``linear.load`` takes them as they are. Otherwise (the
+    default) every tensor arrives whole.
     """
+
+    reads_parts: bool = False
 
     @abstractmethod
     def forward(

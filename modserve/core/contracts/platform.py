@@ -11,6 +11,7 @@ from pydantic import BaseModel
 
 from modserve.core.contracts.attention_backend import AttentionBackend, AttentionMetadata
 from modserve.core.contracts.model import CausalLM
+from modserve.core.contracts.lora import LoRAKernel
 from modserve.core.contracts.quantizer import Quantizer
 
 
@@ -111,6 +112,11 @@ class Platform(ABC):
         """How linears without a quantizer, and the LM head, store and multiply their float
         weights: an :class:`~modserve.runner.linear.Unquantized` (subclass), or None for the
         runner's default, ``F.linear``."""
+        return None
+
+    def lora_kernel(self) -> LoRAKernel | None:
+        """What adds LoRA adapters' updates to the linears' outputs (``enable_lora``), or None for
+        the runner's torch reference (:class:`~modserve.runner.lora.TorchLoRAKernel`)."""
         return None
 
     @abstractmethod

@@ -28,6 +28,10 @@ class ReasoningParser(ABC):
     """
 
     examples: ClassVar[tuple[str, ...]] = ()
+    # The text that ends the reasoning (``</think>``): a request's constraint (response_format,
+    # required or named tools) starts after the tokens of it in the output, as vLLM's does.
+    # None: this parser has no such marker, and a constraint is refused while the model reasons.
+    end_marker: ClassVar[str | None] = None
 
     def __init__(self, options: BaseModel | None = None) -> None:
         self.options = options

@@ -7,7 +7,7 @@ from typing import Iterable
 
 from pydantic import BaseModel, ConfigDict
 
-from modserve.api import Sequence, block_keys
+from modserve.api import AllBlocksCleared, BlockRemoved, BlockStored, Sequence, block_keys
 from modserve.plugins.kv_allocators.refcounted import RefCountedAllocator
 
 
@@ -25,6 +25,9 @@ class PagedAllocator(RefCountedAllocator):
     it is evicted only when a block is needed and no plain free block is left.
     Partial blocks are never cached, so cached blocks are never written again.
     """
+
+    reports_events = True
+    keys_by_adapter = True  # block_keys salted by seq.cache_salt
 
     def __init__(self, num_blocks: int, block_size: int, max_model_len: int,
                  options: PagedOptions | None = None) -> None:
@@ -46,6 +49,7 @@ class PagedAllocator(RefCountedAllocator):
         else:
             block, _ = self.free_cached.popitem(last=False)
             del self.cached[self.block_key[block]]
+            self.record(BlockRemoved([self.block_key[block]]))
             self.block_key[block] = None
             self.evictions += 1
         self.ref_counts[block] = 1
@@ -67,7 +71,7 @@ class PagedAllocator(RefCountedAllocator):
     def _keys(self, seq: Sequence, num_blocks: int) -> list[str]:
         """The keys of ``seq``'s first ``num_blocks`` blocks, made into ``seq.block_hashes`` when
         missing. NOTE: the KV connector's planning extends that list too, maybe past them."""
-        return block_keys(seq.token_ids, self.block_size, num_blocks, seq.block_hashes)[:num_blocks]
+        return block_keys(seq.token_ids, self.block_size, num_blocks, seq.block_hashes, seq.cache_salt)[:num_blocks]
 
     def match_prefix(self, seq: Sequence) -> int:
         if not self.caching:
@@ -103,13 +107,29 @@ class PagedAllocator(RefCountedAllocator):
         if not blocks:
             return
         keys = self._keys(seq, blocks.stop)
+        stored: list[int] = []  # indices of the blocks cached now
         for i in blocks:
             block, key = seq.block_ids[i], keys[i]
             if self.block_key[block] is None and key not in self.cached:
                 self.block_key[block] = key
                 self.cached[key] = block
+                stored.append(i)
+        if self.events is not None:
+            self._record_stored(seq, keys, stored)
+
+    def _record_stored(self, seq: Sequence, keys: list[str], stored: list[int]) -> None:
+        """One BlockStored per run of consecutive indices, so each names its parent block."""
+        bs, lora = self.block_size, getattr(seq, "lora_request", None)
+        while stored:
+            run = next((n for n in range(1, len(stored)) if stored[n] != stored[0] + n), len(stored))
+            first, stop = stored[0], stored[0] + run
+            self.record(BlockStored(keys[first:stop], keys[first - 1] if first else None,
+                                    list(seq.token_ids[first * bs:stop * bs]),
+                                    lora and lora.lora_int_id, lora and lora.lora_name))
+            stored = stored[run:]
 
     def reset_prefix_cache(self) -> None:
+        self.record(AllBlocksCleared())
         for block in self.cached.values():
             self.block_key[block] = None
         self.cached.clear()

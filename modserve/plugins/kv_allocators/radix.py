@@ -10,7 +10,7 @@ from typing import Iterable
 
 from pydantic import BaseModel, ConfigDict
 
-from modserve.api import Sequence
+from modserve.api import AllBlocksCleared, BlockRemoved, BlockStored, Sequence, block_keys
 from modserve.plugins.kv_allocators.refcounted import RefCountedAllocator
 
 
@@ -48,6 +48,8 @@ class RadixAllocator(RefCountedAllocator):
     extensions and no more is evicted than asked for.
     """
 
+    reports_events = True
+
     def __init__(self, num_blocks: int, block_size: int, max_model_len: int,
                  options: RadixOptions | None = None) -> None:
         super().__init__(num_blocks, block_size, max_model_len, options)
@@ -60,6 +62,7 @@ class RadixAllocator(RefCountedAllocator):
         self.tiebreak = itertools.count()
         self.clock = itertools.count(1)
         self.paths: dict[int, RadixNode] = {}  # seq_id -> its path's deepest node
+        self.block_key: dict[int, str] = {}  # tree block -> its block_keys key, kept only for events
 
     # -- counting -------------------------------------------------------------------
     def num_free_blocks(self) -> int:
@@ -195,6 +198,8 @@ class RadixAllocator(RefCountedAllocator):
         leaf.tokens = leaf.tokens[:-self.block_size]
         leaf.end -= 1
         del self.block_node[block]
+        if self.events is not None:
+            self.record(BlockRemoved([self.block_key.pop(block)]))
         self.evictable -= 1
         self.evictions += 1
         self.free_plain.append(block)
@@ -264,9 +269,20 @@ class RadixAllocator(RefCountedAllocator):
             for b in child.blocks:
                 self.block_node[b] = child
             self.evictable += len(child.blocks)  # unlocked until the path below takes it
+            if self.events is not None:
+                self._record_stored(seq, i, full)
             node, i = child, full
         self._set_path(seq.seq_id, node)
         self._touch(node)
+
+    def _record_stored(self, seq: Sequence, start: int, stop: int) -> None:
+        """BlockStored for ``seq``'s blocks ``start .. stop`` (just put in the tree); their keys are
+        kept for the BlockRemoved of their eviction."""
+        keys = block_keys(seq.token_ids, self.block_size, stop, seq.block_hashes)[:stop]
+        self.block_key.update(zip(seq.block_ids[start:stop], keys[start:stop]))
+        bs = self.block_size
+        self.record(BlockStored(keys[start:stop], keys[start - 1] if start else None,
+                                list(seq.token_ids[start * bs:stop * bs])))
 
     def _adopt(self, seq: Sequence, node: RadixNode, i: int, limit: int) -> tuple[RadixNode, int]:
         """Point ``seq``'s blocks ``i ..`` at the tree's blocks of the same content below ``node``
@@ -287,6 +303,8 @@ class RadixAllocator(RefCountedAllocator):
         return shared, j - i
 
     def reset_prefix_cache(self) -> None:
+        self.record(AllBlocksCleared())
+        self.block_key.clear()
         stack = list(self.root.children.values())
         while stack:
             node = stack.pop()

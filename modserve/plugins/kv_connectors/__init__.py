@@ -23,3 +23,10 @@ def register_kv_connectors(register) -> None:
         description="a host-memory tier under the device's prefix cache: prompt blocks kept in an LRU pool "
                     "of host memory and loaded back instead of recomputed",
     )
+    register(
+        "mooncake",
+        "modserve.plugins.kv_connectors.mooncake:MooncakeConnector",
+        options="modserve.plugins.kv_connectors.mooncake:MooncakeOptions",
+        description="prompt blocks pulled from a producer over the network by Mooncake's transfer engine "
+                    "(TCP, P2P handshake; vLLM's MooncakeConnector); held blocks freed once read or timed out",
+    )

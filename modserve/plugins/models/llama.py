@@ -18,8 +18,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from modserve.api import (
-    AttentionBackend, CausalLM, DecoderLayerLayout, DecoderLayout, Linear, LinearFactory, attention, forward_context,
-    linear_factory)
+    AttentionBackend, CausalLM, CheckpointTensor, DecoderLayerLayout, DecoderLayout, Linear, LinearFactory, as_tensor,
+    attention, forward_context, linear_factory)
 
 
 class RMSNorm(nn.Module):
@@ -175,6 +175,7 @@ class LlamaForCausalLM(CausalLM):
         "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
     }
     LAYER: type[DecoderLayer] = DecoderLayer  # a subclass's own decoder layer
+    reads_parts = True  # load_weights takes checkpoint handles and reads only what this rank keeps
 
     def __init__(self, config: Any, backend: AttentionBackend, max_positions: int,
                  make_linear: LinearFactory | None = None) -> None:
@@ -273,9 +274,12 @@ class LlamaForCausalLM(CausalLM):
             else:
                 _copy(param, tensor, name)
             loaded.add(name)
-        missing = set(params) - loaded
+        missing = {name for name in set(params) - loaded if self._in_stage(name)}
         if missing:
             raise ValueError(f"checkpoint is missing tensors for: {sorted(missing)[:8]}")
+        with torch.no_grad():  # another stage's embedding, norm or head: unread, unused, zeros
+            for name in set(params) - loaded:
+                params[name].zero_()
 
     def checkpoint_tensors(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterable[tuple[str, torch.Tensor]]:
         """The checkpoint's tensors as ``load_weights`` takes them (a subclass renames or splits
@@ -290,14 +294,21 @@ class LlamaForCausalLM(CausalLM):
         return f"{parent}.{target}", shard
 
     def _in_stage(self, name: str) -> bool:
-        """False for a tensor of a decoder layer another pipeline stage holds."""
-        if not name.startswith("layers."):
-            return True
-        return int(name.split(".", 2)[1]) in self.stage
+        """False for a tensor this pipeline stage never uses, which it does not read: another
+        stage's decoder layer, the embedding past the first stage (unless the last one's LM head
+        is tied to it), the final norm and the LM head before the last. (Those stay allocated,
+        unread and unused.)"""
+        if name.startswith("layers."):
+            return int(name.split(".", 2)[1]) in self.stage
+        if name.startswith("embed_tokens."):
+            return self.stage.start == 0 or (self.tie and self.last_stage)
+        if name.startswith(("norm.", "lm_head.")):
+            return self.last_stage
+        return True
 
 
-def _copy(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:
+def _copy(dst: torch.Tensor, src: torch.Tensor | CheckpointTensor, name: str) -> None:
     if dst.shape != src.shape:
         raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(src.shape)}, expected {tuple(dst.shape)}")
     with torch.no_grad():
-        dst.copy_(src)
+        dst.copy_(as_tensor(src))

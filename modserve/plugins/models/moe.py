@@ -170,7 +170,8 @@ class MoEForCausalLM(LlamaForCausalLM):
 
     def checkpoint_tensors(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
         """Every expert's tensors per expert, under this rank's numbering of the experts it holds
-        (expert parallelism: the others' are dropped)."""
+        (expert parallelism: the others' are dropped unread; a fused ``[E, ...]`` tensor is read
+        in this rank's experts' rows only)."""
         experts = {name: m for name, m in self.named_modules() if isinstance(m, Experts)}
         for name, tensor in self._per_expert(weights):
             if m := _EXPERT_TENSOR.match(name):

@@ -14,6 +14,7 @@ START, END = "<think>", "</think>"
 class ThinkParser(ReasoningParser):
     # True: text before </think> is reasoning even without <think> (the template wrote it in the prompt)
     implicit_start = True
+    end_marker = END
 
     def __init__(self, options: Any = None) -> None:
         super().__init__(options)

@@ -50,6 +50,7 @@ BUILTIN_OPTIONS: dict[tuple[str, str], Callable[[], dict[str, Any]]] = {
     ("proposer", "draft_model"): _draft_checkpoint,
     ("kv_connector", "shared_storage"): _storage_dir,  # not the default ./kv_store of the directory it runs in
     ("kv_connector", "host"): lambda: {"num_blocks": 64},  # not 4 GiB
+    ("kv_connector", "mooncake"): lambda: {"num_blocks": 64, "bootstrap_port": 0},  # not 1 GiB, nor port 8998
 }
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 
 from modserve.api import KVAllocator
+from modserve.testing.conformance.kv_events import EventCheckedWorkload
 from modserve.testing.conformance.kv_workload import KVWorkload
 from modserve.testing.conformance.targets import Implementation
 
@@ -43,6 +44,20 @@ def test_random_operations_keep_the_books(implementation: Implementation, block_
     work = KVWorkload(make(implementation, block_size), seed)
     work.run(300)
     assert_all_free(work, "after freeing every sequence")
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_kv_events_say_what_is_cached(implementation: Implementation, seed: int) -> None:
+    """With ``reports_events``: the events of the random mix above, replayed as a router does,
+    hold every block ``cached_prefix_tokens`` finds, remove only what they stored, and each
+    ``BlockStored`` is its parent's key chain over its tokens (``kv_events.EventCheckedWorkload``)."""
+    alloc = make(implementation, 4)
+    if not alloc.reports_events:
+        pytest.skip(f"{type(alloc).__name__} does not report KV cache events (reports_events is False)")
+    work = EventCheckedWorkload(alloc, seed)
+    work.run(300)
+    assert_all_free(work, "after freeing every sequence")
+    assert work.counts["BlockStored"], "the workload cached blocks, but no BlockStored was recorded"
 
 
 @pytest.mark.parametrize("block_size", BLOCK_SIZES)

@@ -43,3 +43,19 @@ def test_examples_give_reasoning(implementation: Implementation) -> None:
     for text in cls.examples:
         reasoning, _ = implementation.create().extract(text)
         assert reasoning, f"{cls.__name__}.extract found no reasoning in its own example {text!r}"
+
+
+def test_the_content_is_what_follows_the_end_marker(implementation: Implementation) -> None:
+    """Contract: with an ``end_marker``, an example that holds it has as content exactly the text
+    after it: the server constrains that text (structured output after reasoning)."""
+    cls = implementation.load()
+    if cls.end_marker is None:
+        pytest.skip(f"{cls.__name__} names no end_marker")
+    closed = [t for t in cls.examples if cls.end_marker in t]
+    if not closed:
+        pytest.skip(f"{cls.__name__} gives no example that closes its reasoning with {cls.end_marker!r}")
+    for text in closed:
+        _, content = implementation.create().extract(text)
+        after = text.partition(cls.end_marker)[2] or None
+        assert content == after, (f"{cls.__name__}.extract({text!r}) gives content {content!r}; the text after its "
+                                  f"end_marker {cls.end_marker!r} is {after!r}, which a constraint holds")

@@ -1,0 +1,258 @@
+"""Multi-LoRA: tokens and logits equal transformers + peft (float32), adapters mixed in one batch,
+prefix caching kept apart per adapter, more adapters than slots."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hf_oracle import PROMPTS
+from lora_oracle import ALL, ATTN, make_adapter, peft_greedy
+from modserve import LLM, LoRARequest, SamplingParams
+
+MAX_NEW = 8
+# (rank, targets, rslora) per adapter: several ranks and target sets, rsLoRA on one
+ADAPTERS = [(8, ATTN, False), (4, ALL, True), (16, ["q_proj", "v_proj", "down_proj"], False)]
+
+
+@pytest.fixture(scope="module")
+def lora_setup(checkpoint_dir, tmp_path_factory):
+    """Per arch: the base path, its prompts, the adapters and each one's (and the base's) HF tokens."""
+    out = {}
+    root = tmp_path_factory.mktemp("adapters")
+    for arch in ("llama", "qwen2"):
+        base = checkpoint_dir(arch)
+        adapters = [make_adapter(base, root / f"{arch}-{i}", r, t, seed=i + 1, rslora=rs)
+                    for i, (r, t, rs) in enumerate(ADAPTERS)]
+        from transformers import AutoTokenizer
+        ids = [AutoTokenizer.from_pretrained(base).encode(p) for p in PROMPTS[:4]]
+        refs = {a: peft_greedy(base, a, ids, MAX_NEW) for a in [None, *adapters]}
+        out[arch] = (base, ids, adapters, refs)
+    return out
+
+
+def _llm(base: str, **kw) -> LLM:
+    return LLM(base, **{"dtype": "float32", "num_kv_blocks": 128, "progress": False, "enable_lora": True, **kw})
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_mixed_batch_matches_peft(lora_setup, arch):
+    """Prompt i runs under adapter i % 4 (the 4th: the base model), all in one batch."""
+    base, ids, adapters, refs = lora_setup[arch]
+    llm = _llm(base, max_loras=3, max_lora_rank=16)
+    choices = [None, *adapters]
+    requests = [None, *(LoRARequest(f"a{i}", i + 1, a) for i, a in enumerate(adapters))]
+    prompts = [p for p in ids for _ in choices]
+    loras = [r for _ in ids for r in requests]
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
+    outs = llm.generate(prompts, params, use_tqdm=False, lora_request=loras)
+    got = [o.outputs[0].token_ids for o in outs]
+    want = [refs[c][0][i] for i in range(len(ids)) for c in choices]
+    assert got == want
+    assert refs[None][0] != refs[adapters[0]][0]  # the adapters change the tokens: a real check
+    assert llm.engine.stats()["steps"] == MAX_NEW  # every adapter in the same steps
+
+
+def test_prefill_logits_match_peft(lora_setup):
+    """The prompt's logits under each adapter within 1e-4 of peft's (prompt_logprobs read them)."""
+    base, ids, adapters, refs = lora_setup["llama"]
+    llm = _llm(base, max_loras=3, max_lora_rank=16)
+    runner = llm.engine.runner
+    from modserve.runner.lora import LoRAStep, lora_mapping
+    from modserve.runner.batch import build_batch
+
+    for i, a in enumerate(adapters):
+        p = ids[1]
+        step = LoRAStep([LoRARequest(f"a{i}", i + 1, a)], [list(range(len(p)))], len(p))
+        input_ids, meta = build_batch([p], [0], [[0, 1, 2, 3]], runner.block_size, runner.device)
+        runner.allocate_kv_cache(8)
+        with torch.inference_mode(), lora_mapping(runner.lora.activate(step)):
+            logits = runner.model.compute_logits(runner._forward(input_ids, meta))
+        torch.testing.assert_close(logits, refs[a][1][1], atol=1e-4, rtol=0)
+
+
+def test_prefix_cache_keeps_adapters_apart(lora_setup):
+    base, ids, adapters, refs = lora_setup["llama"]
+    llm = _llm(base, max_loras=2, max_lora_rank=16, block_size=4, max_model_len=256)
+    shared = ids[3]  # a long prompt: several full blocks
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
+    a0, a1 = (LoRARequest(f"a{i}", i + 1, adapters[i]) for i in range(2))
+    first = llm.generate([shared], params, use_tqdm=False, lora_request=a0)[0]
+    second = llm.generate([shared], params, use_tqdm=False, lora_request=a1)[0]
+    again = llm.generate([shared], params, use_tqdm=False, lora_request=a1)[0]
+    assert first.outputs[0].token_ids == refs[adapters[0]][0][3]
+    assert second.outputs[0].token_ids == refs[adapters[1]][0][3]
+    assert second.num_cached_tokens == 0  # another adapter's blocks are not its
+    assert again.num_cached_tokens > 0 and again.outputs[0].token_ids == second.outputs[0].token_ids
+
+
+def test_more_adapters_than_slots_all_complete(lora_setup):
+    base, ids, adapters, refs = lora_setup["llama"]
+    llm = _llm(base, max_loras=1, max_lora_rank=16, max_cpu_loras=2)
+    requests = [LoRARequest(f"a{i}", i + 1, a) for i, a in enumerate(adapters)]
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
+    outs = llm.generate([ids[0]] * 3 + [ids[1]], params, use_tqdm=False, lora_request=[*requests, None])
+    assert [o.outputs[0].token_ids for o in outs] == [refs[a][0][0] for a in adapters] + [refs[None][0][1]]
+    assert len(llm.engine.runner.lora.host) <= 2
+
+
+def test_unusable_adapters_refused(lora_setup, tmp_path):
+    base, ids, adapters, _ = lora_setup["llama"]
+    llm = _llm(base, max_lora_rank=8)
+    params = SamplingParams(max_tokens=2)
+    with pytest.raises(ValueError, match="max_lora_rank=8"):  # adapter 2 has r=16
+        llm.generate([ids[0]], params, use_tqdm=False, lora_request=LoRARequest("big", 3, adapters[2]))
+    with pytest.raises(ValueError, match="no adapter_config.json"):
+        llm.generate([ids[0]], params, use_tqdm=False, lora_request=LoRARequest("none", 4, str(tmp_path)))
+    plain = LLM(base, dtype="float32", num_kv_blocks=128, progress=False)
+    with pytest.raises(ValueError, match="enable_lora"):
+        plain.generate([ids[0]], params, use_tqdm=False, lora_request=LoRARequest("a", 1, adapters[0]))
+
+
+def test_server_serves_adapters_by_name(lora_setup, tmp_path):
+    """One real server: --lora-modules in both forms, /v1/models, adapter tokens equal peft's,
+    load and unload at run time under load, unknown adapters 404."""
+    import concurrent.futures
+
+    import httpx
+    import openai
+
+    from server_process import serving
+
+    base, ids, adapters, refs = lora_setup["llama"]
+    llm = _llm(base, max_loras=3, max_lora_rank=16)
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
+    offline = {(a, i): llm.generate([ids[i]], params, use_tqdm=False,
+                                    lora_request=a and LoRARequest(a, adapters.index(a) + 1, a))[0]
+               for a in (None, *adapters) for i in (2, 3)}
+    json_form = f'{{"name": "second", "path": "{adapters[1]}", "base_model_name": "tiny"}}'
+    flags = ["--model", base, "--served-model-name", "tiny", "--dtype", "float32", "--num-kv-blocks", "128",
+             "--enable-lora", "--max-loras", "2", "--max-lora-rank", "16", "--max-cpu-loras", "2",
+             "--lora-modules", f"first={adapters[0]}", json_form]
+    with serving(tmp_path, "lora", *flags, env={"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"}) as server:
+        client = server.client()
+        cards = {m.id: m for m in client.models.list().data}
+        assert set(cards) == {"tiny", "first", "second"}
+        assert cards["first"].parent == "tiny" and cards["second"].parent == "tiny"
+
+        def complete(model: str, prompt: list[int]) -> str:
+            out = client.completions.create(model=model, prompt=prompt, max_tokens=MAX_NEW, temperature=0.0,
+                                            extra_body={"ignore_eos": True})
+            assert out.model == model and out.usage.completion_tokens == MAX_NEW
+            return out.choices[0].text
+
+        def want(adapter: str | None, i: int) -> str:  # offline modserve's text, its tokens peft's
+            out = offline[adapter, i].outputs[0]
+            assert out.token_ids == refs[adapter][0][i]
+            return out.text
+
+        assert complete("first", ids[2]) == want(adapters[0], 2)
+        assert complete("second", ids[2]) == want(adapters[1], 2)
+        assert complete("tiny", ids[2]) == want(None, 2)
+        assert len({want(a, 2) for a in (None, *adapters)}) == 4  # four different answers: a real check
+        chat = client.chat.completions.create(model="first", messages=[{"role": "user", "content": "hi"}],
+                                              max_tokens=4, temperature=0.0)
+        assert chat.model == "first" and chat.choices[0].message.content is not None
+
+        with pytest.raises(openai.NotFoundError) as err:
+            client.completions.create(model="third", prompt="x", max_tokens=2)
+        assert err.value.body["code"] == "model_not_found"
+        # what runs on the base model only refuses an adapter rather than ignore it
+        embed = httpx.post(f"{server.url}/v1/embeddings", json={"model": "first", "input": "x"})
+        assert embed.status_code == 400 and embed.json()["error"]["param"] == "model"
+        beams = httpx.post(f"{server.url}/v1/completions", json={"model": "first", "prompt": "x", "max_tokens": 2,
+                                                                 "use_beam_search": True, "n": 2})
+        assert beams.status_code == 400 and beams.json()["error"]["param"] == "use_beam_search"
+        # load a third adapter while requests under the others run (max_loras=2: it waits for a slot)
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:
+            running = [pool.submit(complete, m, ids[3]) for m in ("first", "second", "tiny")]
+            loaded = httpx.post(f"{server.url}/v1/load_lora_adapter",
+                                json={"lora_name": "third", "lora_path": adapters[2]}, timeout=60)
+            assert loaded.status_code == 200, loaded.text
+            third = pool.submit(complete, "third", ids[3])
+            assert [f.result() for f in running] == [want(a, 3) for a in (adapters[0], adapters[1], None)]
+            assert third.result() == want(adapters[2], 3)
+        again = httpx.post(f"{server.url}/v1/load_lora_adapter", json={"lora_name": "third", "lora_path": adapters[2]})
+        assert again.status_code == 400 and again.json()["error"]["param"] == "lora_name"
+        bad = httpx.post(f"{server.url}/v1/load_lora_adapter", json={"lora_name": "bad", "lora_path": str(tmp_path)})
+        assert bad.status_code == 400 and "adapter_config.json" in bad.json()["error"]["message"]
+        assert httpx.post(f"{server.url}/v1/unload_lora_adapter", json={"lora_name": "third"}).status_code == 200
+        assert "third" not in {m.id for m in client.models.list().data}
+        with pytest.raises(openai.NotFoundError):
+            client.completions.create(model="third", prompt="x", max_tokens=2)
+        gone = httpx.post(f"{server.url}/v1/unload_lora_adapter", json={"lora_name": "third"})
+        assert gone.status_code == 404 and gone.json()["error"]["code"] == "lora_adapter_not_found"
+
+
+def test_what_lora_cannot_combine_with_is_refused(llama_dir):
+    from modserve import EngineConfig
+
+    with pytest.raises(ValueError, match="runs the layers eagerly"):
+        EngineConfig(model=llama_dir, enable_lora=True, compile="on")
+    with pytest.raises(ValueError, match="lora_modules needs enable_lora"):
+        EngineConfig(model=llama_dir, lora_modules=[{"name": "a", "path": "/a"}])
+    with pytest.raises(ValueError, match="does not keep adapters' prefix-cache blocks apart"):
+        _llm(llama_dir, kv_allocator="radix")
+    assert _llm(llama_dir, kv_allocator={"name": "radix", "options": {"enable_prefix_caching": False}}).engine
+
+
+def test_tensor_parallel_shards_adapters(lora_setup):
+    """TP=2 (gloo): B split with the column-parallel outputs, A with the row-parallel inputs."""
+    base, ids, adapters, refs = lora_setup["llama"]
+    llm = _llm(base, max_loras=3, max_lora_rank=16, tensor_parallel_size=2, num_threads=1)
+    try:
+        requests = [None, *(LoRARequest(f"a{i}", i + 1, a) for i, a in enumerate(adapters))]
+        params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
+        outs = llm.generate([ids[1]] * 4, params, use_tqdm=False, lora_request=requests)
+        assert [o.outputs[0].token_ids for o in outs] == [refs[a][0][1] for a in (None, *adapters)]
+    finally:
+        llm.engine.shutdown()
+
+
+def test_the_platform_fills_the_lora_kernel_seam(lora_setup, monkeypatch):
+    """A platform's lora_kernel() is what the linears call: here a counting wrapper of the reference."""
+    from modserve.plugins.platforms.cpu.platform import CpuPlatform
+    from modserve.runner.lora import TorchLoRAKernel
+
+    class Counting(TorchLoRAKernel):
+        calls = 0
+
+        def add(self, y, x, a, b, scaling, mapping) -> None:
+            Counting.calls += 1
+            super().add(y, x, a, b, scaling, mapping)
+
+    monkeypatch.setattr(CpuPlatform, "lora_kernel", lambda self: Counting())
+    base, ids, adapters, refs = lora_setup["llama"]
+    llm = _llm(base)
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
+    out = llm.generate([ids[0]], params, use_tqdm=False, lora_request=LoRARequest("a", 1, adapters[0]))[0]
+    assert out.outputs[0].token_ids == refs[adapters[0]][0][0]
+    assert Counting.calls == MAX_NEW * 2 * 4  # every step, 2 layers x 4 projections
+
+
+def test_an_int8_base_gets_the_same_update(lora_setup):
+    """Under a quantizer the layer's output moves by exactly the adapter's update, slice by slice."""
+    from modserve.runner.lora import LoRAStep, lora_mapping
+
+    base, _, adapters, _ = lora_setup["llama"]
+    llm = _llm(base, quantization="int8", max_lora_rank=16)
+    runner = llm.engine.runner
+    request = LoRARequest("all", 2, adapters[1])  # every projection, rsLoRA
+    mapping = runner.lora.activate(LoRAStep([request], [[0, 2]], 3))  # rows 0 and 2; row 1: the base
+    adapter = runner.lora.adapter(request)
+    x = torch.randn(3, 64, generator=torch.Generator().manual_seed(0))
+    for module, (a, b) in adapter.weights.items():
+        if not module.startswith("layers.0."):
+            continue
+        target, shard = runner.model.locate(module)
+        layer = dict(runner.model.named_modules())[target]
+        assert type(layer.quantizer).__name__ == "Int8"
+        inputs = x if layer.spec.in_features == 64 else torch.randn(3, layer.spec.in_features)
+        with torch.inference_mode():
+            plain = layer(inputs)
+            with lora_mapping(mapping):
+                lifted = layer(inputs)
+        start, size = layer.spec.shard_offset(shard), layer.spec.shard_sizes[shard]
+        want = (inputs @ a.T) @ b.T * adapter.scaling  # [3, out_i]
+        torch.testing.assert_close((lifted - plain)[[0, 2], start:start + size], want[[0, 2]], atol=1e-5, rtol=1e-5)
+        assert torch.equal(lifted[1], plain[1])  # a row of no adapter is the base's, bit for bit
