@@ -100,6 +100,22 @@ def serving(tmp: Path, name: str, *flags: str, env: dict[str, str] | None = None
         stop(server)
 
 
+@contextlib.contextmanager
+def serving_together(tmp: Path, *servers: tuple[str, list[str]]) -> Iterator[list[Server]]:
+    """Servers ``(name, flags)`` started at once (their starts overlap), each healthy, for the
+    ``with`` block; all stopped after it, whatever happened."""
+    started: list[Server] = []
+    try:
+        for name, flags in servers:
+            started.append(launch(tmp, name, *flags))
+        for server in started:
+            wait_healthy(server)
+        yield started
+    finally:
+        for server in started:
+            stop(server)
+
+
 def wait_for(predicate: Callable[[], bool], timeout: float = 20.0) -> None:
     deadline = time.monotonic() + timeout
     while not predicate():

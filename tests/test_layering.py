@@ -173,13 +173,14 @@ FOLDER_BUDGETS: dict[str, tuple[int, str]] = {
                                    "LoRARequest, the lora kernel contract, the enable_lora keys (issue 47); +16: "
                                    "StructuredOutputs.start_after, the reasoning parser's end_marker, the "
                                    "max_stored_responses key (issue 45)"),
-    "engine": (2300 + 14 + 500 + 225 + 35 + 70, "rank 0: the engine loop, the scheduler core, culprit isolation, the output "
+    "engine": (2300 + 14 + 500 + 225 + 35 + 70 + 10, "rank 0: the engine loop, the scheduler core, culprit isolation, the output "
                                 "processor, speculative planning, grammar compiles and their worker processes; "
                                 "+14: LLMEngine.embed, the pooling runner's entry (issue 46); +500: the "
                                 "engine-core process, its message protocol and output deltas (engine "
                                 "processes, issue 42), the scheduled-time stamp (issue 44); +225: the KV "
                                 "events publisher, engine/kv_events.py (issue 44); +35: requests' LoRA "
-                                "adapters, the scheduler's max_loras bound (issue 47); +70: a constraint "
+                                "adapters, the scheduler's max_loras bound (issue 47); +10: the running and waiting "
+                                "adapters for lora_requests_info (issue 47); +70: a constraint "
                                 "that starts after the reasoning, engine/grammar_gate.py (issue 45)"),
     "runner": (2000 + 151 + 300 + 180, "every rank: the model runner, batch building, the forward context, the linear "
                            "factory, collectives, the loader, sampling and rejection sampling; +151: the "
@@ -188,7 +189,8 @@ FOLDER_BUDGETS: dict[str, tuple[int, str]] = {
                            "+180: checkpoint handles that read only a rank's part, runner/checkpoint.py, and the "
                            "bytes read per rank (issue 43)"),
 }
-ENGINE_LOOP_LINES = 400 + 8  # modserve/engine/engine.py: the loop reads in one sitting; +8: KV events (issue 44)
+ENGINE_LOOP_LINES = 400 + 10  # modserve/engine/engine.py: the loop reads in one sitting; +8: KV events (issue 44);
+# +2: the adapters' stats (issue 47)
 MAX_FUNCTION_LINES = 40  # each of its functions fits on a screen
 
 

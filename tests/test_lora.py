@@ -96,6 +96,41 @@ def test_more_adapters_than_slots_all_complete(lora_setup):
     assert len(llm.engine.runner.lora.host) <= 2
 
 
+def test_running_and_waiting_adapters_are_reported(lora_setup):
+    """vLLM's lora_requests_info: with max_loras=1, the first adapter runs and the second waits;
+    the engine's stats say so, replicas' stats join, and both metric namings render it."""
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from modserve.server.metrics import EngineStatsCollector
+    from modserve.server.replicas import sum_stats
+
+    base, ids, adapters, _ = lora_setup["llama"]
+    llm = _llm(base, max_loras=1, max_lora_rank=16)
+    engine = llm.engine
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
+    assert engine.stats()["lora"] == {"max_lora": 1, "running": [], "waiting": []}
+    for i, name in enumerate(("first", "second")):
+        engine.add_request(f"r{i}", ids[0], params, lora_request=LoRARequest(name, i + 1, adapters[i]))
+    engine.add_request("base", ids[1], params)
+    assert engine.stats()["lora"] == {"max_lora": 1, "running": [], "waiting": ["first", "second"]}
+    engine.step()
+    stats = engine.stats()
+    assert stats["lora"] == {"max_lora": 1, "running": ["first"], "waiting": ["second"]}
+    other = {**stats, "lora": {"max_lora": 1, "running": ["third"], "waiting": []}}
+    assert sum_stats([stats, other])["lora"] == {"max_lora": 1, "running": ["first", "third"], "waiting": ["second"]}
+    registry = CollectorRegistry()
+    metrics = EngineStatsCollector()
+    metrics.stats = stats
+    registry.register(metrics)
+    text = generate_latest(registry).decode()
+    assert 'modserve_lora_requests_info{max_lora="1",running_lora_adapters="first",' \
+           'waiting_lora_adapters="second"}' in text
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert engine.stats()["lora"] == {"max_lora": 1, "running": [], "waiting": []}
+    assert "lora" not in LLM(base, dtype="float32", num_kv_blocks=128, progress=False).engine.stats()
+
+
 def test_unusable_adapters_refused(lora_setup, tmp_path):
     base, ids, adapters, _ = lora_setup["llama"]
     llm = _llm(base, max_lora_rank=8)

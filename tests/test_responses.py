@@ -15,7 +15,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from modserve.testing.chat_templates import QWEN25_TEMPLATE, with_chat_template
-from server_process import launch, stop, wait_for, wait_healthy
+from server_process import serving_together, wait_for
 
 WEATHER = {"type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Rome", "Tokyo"]},
                                              "unit": {"type": "string", "enum": ["c", "f"]}},
@@ -38,15 +38,9 @@ def servers(qwen_dir, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("responses-servers")
     common = ["--model", qwen_dir, "--served-model-name", "tiny-qwen", "--num-kv-blocks", "128",
               "--max-model-len", "1024", "--max-stored-responses", str(MAX_STORED)]
-    tools = launch(tmp, "tools", *common, "--enable-auto-tool-choice", "--tool-call-parser", "hermes")
-    thinking = launch(tmp, "thinking", *common, "--reasoning-parser", "deepseek_r1")
-    try:
-        wait_healthy(tools)
-        wait_healthy(thinking)
-        yield tools, thinking
-    finally:
-        stop(tools)
-        stop(thinking)
+    with serving_together(tmp, ("tools", [*common, "--enable-auto-tool-choice", "--tool-call-parser", "hermes"]),
+                          ("thinking", [*common, "--reasoning-parser", "deepseek_r1"])) as servers:
+        yield tuple(servers)
 
 
 @pytest.fixture(scope="module")

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 
 import httpx
 import jsonschema
@@ -19,7 +20,7 @@ from transformers import AutoTokenizer
 
 from modserve.core.registry import get_registry
 from modserve.testing.chat_templates import QWEN25_TEMPLATE, with_chat_template
-from server_process import launch, stop, wait_healthy
+from server_process import serving_together
 
 WEATHER = {"type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Rome", "Tokyo"]},
                                              "unit": {"type": "string", "enum": ["c", "f"]}},
@@ -140,15 +141,9 @@ def servers(qwen_dir, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("tool-servers")
     common = ["--model", qwen_dir, "--served-model-name", "tiny-qwen", "--num-kv-blocks", "128",
               "--max-model-len", "1024"]
-    tools = launch(tmp, "tools", *common, "--enable-auto-tool-choice", "--tool-call-parser", "hermes")
-    thinking = launch(tmp, "thinking", *common, "--reasoning-parser", "deepseek_r1")
-    try:
-        wait_healthy(tools)
-        wait_healthy(thinking)
-        yield tools, thinking
-    finally:
-        stop(tools)
-        stop(thinking)
+    with serving_together(tmp, ("tools", [*common, "--enable-auto-tool-choice", "--tool-call-parser", "hermes"]),
+                          ("thinking", [*common, "--reasoning-parser", "deepseek_r1"])) as servers:
+        yield tuple(servers)
 
 
 @pytest.fixture(scope="module")
@@ -156,8 +151,8 @@ def client(servers):
     return servers[0].client()
 
 
-def reassemble(stream) -> dict:
-    """A streamed chat choice joined back into the message it stands for."""
+def reassemble(stream, id_form: str = r"chatcmpl-tool-\w+") -> dict:
+    """A streamed chat choice joined back into the message it stands for; each call's id matches ``id_form``."""
     out = {"content": "", "reasoning_content": "", "tool_calls": {}, "finish_reason": None}
     for chunk in stream:
         for choice in chunk.choices:
@@ -166,7 +161,7 @@ def reassemble(stream) -> dict:
             out["reasoning_content"] += getattr(delta, "reasoning_content", None) or ""
             for call in delta.tool_calls or []:
                 if call.index not in out["tool_calls"]:  # the first chunk of a call: id, type, name
-                    assert call.id and call.id.startswith("chatcmpl-tool-") and call.type == "function"
+                    assert call.id and re.fullmatch(id_form, call.id) and call.type == "function"
                     assert call.function.name
                     out["tool_calls"][call.index] = [call.function.name, call.function.arguments or ""]
                 else:

@@ -384,6 +384,8 @@ class LLMEngine:
             "weight_bytes": self.runner.weight_bytes,  # as allocated, quantized or not
             "kv_cache_bytes": sum(c.numel() * c.element_size() for c in self.runner.kv_caches),
             **({"expert_tokens": load} if (load := self.runner.expert_load()) else {}),
+            **({"lora": {"max_lora": self.config.max_loras, **self.scheduler.lora_adapters()}}
+               if self.config.enable_lora else {}),
         }
 
 

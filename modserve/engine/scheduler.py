@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import logging
 from collections import deque
-from typing import Collection, Literal, Mapping
+from typing import Collection, Iterable, Literal, Mapping
 
 from modserve.core.contracts.grammar_backend import GrammarMatcher
 from modserve.core.contracts.kv_connector import BlockTransfer, KVConnector, KVRole
@@ -223,6 +223,13 @@ class SchedulerCore(SchedulerView):
                 held.add(lora.lora_int_id)
             out.append(seq)
         return out
+
+    def lora_adapters(self) -> dict[str, list[str]]:
+        """The adapters' names of the running (and swapped) and of the waiting sequences, what
+        vLLM's ``lora_requests_info`` reports for adapter-affinity routing."""
+        def names(seqs: Iterable[Sequence]) -> list[str]:
+            return sorted({s.lora_request.lora_name for s in seqs if s.lora_request is not None})
+        return {"running": names((*self.running, *self.swapped)), "waiting": names(self.waiting)}
 
     def _match_prefix(self, seq: Sequence, n: int, available: int) -> tuple[int, int]:
         """Attach ``seq``'s cached prefix, then what the KV connector holds beyond it, and

@@ -14,7 +14,7 @@ from prometheus_client.registry import Collector
 
 from modserve.core.outputs import RequestOutput
 from modserve.core.sampling_params import SamplingParams
-from modserve.server.vllm_metrics import VllmMetrics
+from modserve.server.vllm_metrics import VllmMetrics, lora_requests_info
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0,
                     40.0, 80.0)
@@ -69,6 +69,7 @@ class EngineStatsCollector(Collector):
         for name, key, doc in _COUNTERS:
             yield CounterMetricFamily(name, doc, value=float(stats.get(key, 0)))
         yield from _kv_connector(stats)
+        yield from lora_requests_info(stats, "modserve_lora_requests_info")
         if stats.get("expert_tokens"):
             yield from _expert_load(stats["expert_tokens"])
         replicas = stats.get("replicas")

@@ -347,6 +347,10 @@ def sum_stats(per: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
                 total[key] = max(total.get(key, 0.0), value)
             elif isinstance(value, (int, float)) and not isinstance(value, bool):
                 total[key] = total.get(key, 0) + value
+            elif key == "lora":  # the adapters' names, joined over the replicas; max_lora is each one's
+                mine = total.setdefault(key, {"max_lora": value["max_lora"], "running": [], "waiting": []})
+                for side in ("running", "waiting"):
+                    mine[side] = sorted({*mine[side], *value[side]})
             elif key == "expert_tokens":  # {layer: [tokens per expert]}, summed expert by expert
                 mine = total.setdefault(key, {})
                 for layer, counts in value.items():

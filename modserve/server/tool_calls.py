@@ -177,6 +177,10 @@ class OutputParser:
         self.first_only = body.parallel_tool_calls is False
         self.called = False
 
+    def call_id(self) -> str:
+        """The parser's own id form where it has one (Mistral's, as vLLM's parser gives), else the server's."""
+        return (self.tools.call_id() if self.tools is not None else None) or self.new_id()
+
     def message(self, text: str) -> ChatMessageOut:
         reasoning, content = self.reasoning.extract(text) if self.reasoning is not None else (None, text)
         calls = []
@@ -185,7 +189,7 @@ class OutputParser:
             calls = calls[:1] if self.first_only else calls
         self.called = bool(calls)
         return ChatMessageOut(content=content, reasoning_content=reasoning, tool_calls=[
-            ToolCallOut(id=self.new_id(), function=FunctionCallOut(name=c.name, arguments=c.arguments))
+            ToolCallOut(id=self.call_id(), function=FunctionCallOut(name=c.name, arguments=c.arguments))
             for c in calls] or None)
 
     def delta(self, text: str, final: bool) -> DeltaMessage | None:
@@ -204,7 +208,7 @@ class OutputParser:
         if not (r.reasoning or d.content or calls):
             return None
         return DeltaMessage(reasoning_content=r.reasoning or None, content=d.content or None, tool_calls=[
-            DeltaToolCall(index=c.index, id=self.new_id() if c.name else None, type="function" if c.name else None,
+            DeltaToolCall(index=c.index, id=self.call_id() if c.name else None, type="function" if c.name else None,
                           function=DeltaFunctionCall(name=c.name, arguments=c.arguments)) for c in calls] or None)
 
     def finish_reason(self, engine_reason: str | None) -> str | None:

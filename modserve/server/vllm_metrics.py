@@ -11,6 +11,7 @@ thing, so the gauges and per-request histograms here count samples, as vLLM's do
 from __future__ import annotations
 
 import re
+import time
 from typing import Any, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
@@ -60,6 +61,18 @@ def build_1_2_5_buckets(max_value: int) -> list[int]:
         scale *= 10
 
 
+def lora_requests_info(stats: dict[str, Any], name: str = "vllm:lora_requests_info") -> Iterator[Metric]:
+    """vLLM's adapter gauge, which gateways read for adapter-affinity routing: the adapters of the
+    running and of the waiting requests as comma-separated names in labels, the value the wall
+    clock when read. Only with enable_lora, as vLLM."""
+    if (lora := stats.get("lora")) is None:
+        return
+    family = GaugeMetricFamily(name, "Running stats on lora requests.",
+                               labels=["max_lora", "waiting_lora_adapters", "running_lora_adapters"])
+    family.add_metric([str(lora["max_lora"]), ",".join(lora["waiting"]), ",".join(lora["running"])], time.time())
+    yield family
+
+
 def per_engine(stats: dict[str, Any]) -> list[dict[str, Any]]:
     """Each engine's stats: a ReplicaSet's replicas, else the one engine's."""
     return stats.get("replicas") or [stats]
@@ -86,6 +99,7 @@ class EngineStats(Collector):
                 for i, stats in enumerate(engines):
                     family.add_metric([self.model_name, str(i)], float(stats.get(key, 0)))
                 yield family
+        yield from lora_requests_info(self.stats)
 
 
 class VllmMetrics:

@@ -64,3 +64,7 @@ class ToolParser(ABC):
 
     @abstractmethod
     def finish(self) -> ToolStreamDelta: ...
+
+    def call_id(self) -> str | None:
+        """A new id for a call this parser read, in its family's own form; None: the server's."""
+        return None
