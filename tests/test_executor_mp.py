@@ -91,8 +91,8 @@ def reference(llama_dir) -> list[str]:
         return [o.outputs[0].text for o in llm.generate(PROMPTS, params, use_tqdm=False)]
 
 
-def start_tp2(tmp, name: str, llama_dir: str) -> Server:
-    return launch_healthy(tmp, name, llama_dir, "--tensor-parallel-size", "2", *SERVER_FLAGS, timeout=180)
+def start_tp2(tmp, name: str, llama_dir: str, *flags: str) -> Server:
+    return launch_healthy(tmp, name, llama_dir, "--tensor-parallel-size", "2", *SERVER_FLAGS, *flags, timeout=180)
 
 
 # -- a TP=2 server ----------------------------------------------------------------------------
@@ -141,7 +141,8 @@ def test_sigterm_stops_every_worker_before_the_server_exits(server):
 
 
 def test_a_killed_worker_fails_the_stream_in_flight_and_the_server_reports_it(llama_dir, tmp_path):
-    server = start_tp2(tmp_path, "doomed", llama_dir)
+    # It stays up answering 503 (else it exits 1 once nothing runs: a race with the checks below).
+    server = start_tp2(tmp_path, "doomed", llama_dir, "--no-exit-on-engine-death")
     try:
         tree = descendants(server.proc.pid)
         [worker] = workers_of(server.proc.pid)
