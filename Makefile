@@ -77,7 +77,7 @@ triton-newest: install
 		$(PIP) install -qq --no-deps --target $(TRITON_NEWEST) "$$spec" && \
 		PYTHONPATH=$(TRITON_NEWEST) $(PY) -c "import triton; print('triton-newest: $$spec ->', triton.__version__)" && \
 		PYTHONPATH=$(TRITON_NEWEST) $(PY) -m pytest -q tests/test_triton_attention.py tests/test_moe_backends.py \
-			tests/test_quantization.py -k triton
+			tests/test_quantization.py tests/test_lora_triton.py -k triton
 
 serve: install
 	$(VENV)/bin/modserve serve $(ARGS)

@@ -26,7 +26,9 @@ FLAG_ALIASES: dict[str, tuple[str, ...]] = {"num_threads": ("--threads",), "tens
 # Taken as typed, never read as YAML (`--served-model-name on` is a name, not a boolean).
 TEXT_FIELDS = ("model", "tokenizer", "served_model_name", "device", "chat_template", "generation_config")
 LIST_FIELDS = ("cuda_graph_sizes",  # vLLM's `--cuda-graph-sizes 1 2 4` (or one YAML list; none: [])
-               "lora_modules")  # vLLM's `--lora-modules a=/path '{"name": "b", "path": "/p"}'`
+               "lora_modules",  # vLLM's `--lora-modules a=/path '{"name": "b", "path": "/p"}'`
+               "logits_processors",  # vLLM's `--logits-processors pkg.mod:Class no_repeat_ngram`
+               "lora_resolvers")  # `--lora-resolvers filesystem '{name: s3, options: {...}}'`
 
 
 class Parser(argparse.ArgumentParser):
@@ -358,7 +360,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
 # The kinds the conformance kit checks (modserve.testing.conformance).
 CONFORMANCE_KINDS: tuple[str, ...] = (
     "attention_backend", "kv_allocator", "scheduler", "sampler", "grammar_backend", "quantizer", "proposer",
-    "executor", "kv_connector", "tool_parser", "reasoning_parser")
+    "executor", "kv_connector", "tool_parser", "reasoning_parser", "lora_resolver",
+    "logits_processor")
 
 CONFORMANCE_HELP = f"""\
 Check plugin implementations against their kind's contract with the conformance kit

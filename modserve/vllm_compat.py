@@ -272,8 +272,6 @@ _INT = {"type": int, "metavar": "INT"}
 _FLOAT = {"type": float, "metavar": "FLOAT"}
 _TEXT = {"metavar": "TEXT"}
 _NOT_BUILT = "{} parallelism is not built yet; tensor parallelism is: --tensor-parallel-size (-tp)"
-_MULTI_NODE_DP = ("data-parallel engine cores on several machines are not built yet: run one server per rank "
-                  "(--data-parallel-rank N) behind a load balancer, or tensor/pipeline ranks over Ray")
 
 VLLM_OPTIONS: tuple[VllmOption, ...] = (
     # -- mapped onto modserve's settings
@@ -324,11 +322,17 @@ VLLM_OPTIONS: tuple[VllmOption, ...] = (
     VllmOption("data_parallel_backend", "refused", "data-parallel engine cores are processes on this machine "
                "(mp); the ray executor places tensor-parallel ranks on a Ray cluster", _TEXT, default="mp",
                short="-dpb"),
-    VllmOption("data_parallel_size_local", "refused", _MULTI_NODE_DP, _INT, short="-dpl"),
-    VllmOption("data_parallel_start_rank", "refused", _MULTI_NODE_DP, _INT, default=0, short="-dpr"),
-    VllmOption("data_parallel_address", "refused", _MULTI_NODE_DP, _TEXT, short="-dpa"),
-    VllmOption("data_parallel_rpc_port", "refused", _MULTI_NODE_DP, _INT, short="-dpp"),
-    VllmOption("headless", "refused", _MULTI_NODE_DP, _BOOL, default=False),
+    VllmOption("data_parallel_size_local", "mapped", "`modserve serve`: data-parallel ranks (engine-core processes) "
+               "on this machine; the others join from machines running --headless (docs/parallelism.md)", _INT,
+               short="-dpl"),
+    VllmOption("data_parallel_start_rank", "mapped", "`modserve serve --headless`: the first of this machine's "
+               "data-parallel ranks", _INT, short="-dpr"),
+    VllmOption("data_parallel_address", "mapped", "`modserve serve`: the API server's address the ranks on other "
+               "machines reach it at (default: 127.0.0.1)", _TEXT, short="-dpa"),
+    VllmOption("data_parallel_rpc_port", "mapped", "`modserve serve`: the port of the ranks' handshake with the API "
+               "server, on a private network only (default: 29550)", _INT, short="-dpp"),
+    VllmOption("headless", "mapped", "`modserve serve`: no API server, only this machine's engine cores, which "
+               "join the API server at --data-parallel-address", _BOOL),
     VllmOption("api_server_count", "refused", "one API server process serves every engine core", _INT,
                default=1, short="-asc"),
     VllmOption("cpu_offload_gb", "refused", "offloading weights to host memory is not supported", _FLOAT,
@@ -365,7 +369,9 @@ BY_KEY: dict[str, VllmOption] = {o.key: o for o in VLLM_OPTIONS}
 # Keys a ``vllm serve`` config file holds for the server, not the engine: ``modserve serve``
 # takes them as its flags (a file's value yields to the command line).
 SERVER_KEYS: tuple[str, ...] = ("host", "port", "api_key", "disable_uvicorn_access_log",
-                                 "disable_frontend_multiprocessing", "data_parallel_rank")
+                                 "disable_frontend_multiprocessing", "data_parallel_rank", "data_parallel_size_local",
+                                 "data_parallel_start_rank", "data_parallel_address", "data_parallel_rpc_port",
+                                 "headless")
 
 
 def normalize_key(key: str) -> str:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 import time
 
@@ -23,6 +24,11 @@ def main() -> int:
                     help="the cpu platform's native decode step (off: the compiled forward)")
     ap.add_argument("--quantization", help="a quantizer's name (int8, ...)")
     ap.add_argument("--json", help="write {sequences: ms per step} here")
+    ap.add_argument("--median", action="store_true",
+                    help="ms per step: the median step, not the mean (steps preempted on a shared machine fall out)")
+    ap.add_argument("--clock", choices=["wall", "cpu"], default="wall",
+                    help="cpu: the process's CPU time per step, which leaves out time slices other jobs take "
+                         "(meaningful with OMP_NUM_THREADS=1)")
     args = ap.parse_args()
     from torch.profiler import ProfilerActivity, profile
 
@@ -41,10 +47,13 @@ def main() -> int:
         # decode: with fewer, 64 sequences timed their last prefill step among the decodes
         for _ in range(-(-n * 150 // 2048) + 1):
             engine.step()
-        start = time.perf_counter()
+        steps = []
+        clock = time.process_time if args.clock == "cpu" else time.perf_counter
         for _ in range(args.steps):
+            start = clock()
             engine.step()
-        step = (time.perf_counter() - start) / args.steps
+            steps.append(clock() - start)
+        step = statistics.median(steps) if args.median else sum(steps) / len(steps)
         times[n] = step * 1e3
         with profile(activities=[ProfilerActivity.CPU]) as prof:
             for _ in range(5):

@@ -74,7 +74,8 @@ phase env 30 bash -c 'nvidia-smi -L
 # 2. The CUDA tests (files being written elsewhere join when they exist). -v: one line per test,
 # so counts survive a timeout; --maxfail rather than -x, so one failure does not hide the rest.
 TESTS=()
-for f in tests/test_cuda.py tests/test_triton_attention.py tests/test_cuda_graphs.py; do
+for f in tests/test_cuda.py tests/test_triton_attention.py tests/test_cuda_graphs.py \
+         tests/test_lora_triton.py; do  # the last: the LoRA kernel compiled, not interpreted
     [ -f "$f" ] && TESTS+=("$f")
 done
 PER_TEST=()

@@ -17,8 +17,8 @@ import torch
 
 from modserve.api import (
     AttentionBackend, AttentionMetadata, BlockTransfer, CudaGraphSupport, GrammarBackend, GrammarMatcher,
-    GrammarSpec, KVConnectorContext, Proposal, Register, Schedule, SchedulerLimits, SchedulerView, Sequence,
-    TensorLayout, WorkerSpec, hookimpl, read_kv, slots, write_kv)
+    GrammarSpec, KVConnectorContext, LoRARequest, Proposal, Register, Schedule, SchedulerLimits, SchedulerView,
+    Sequence, TensorLayout, WorkerSpec, hookimpl, read_kv, slots, write_kv)
 from modserve.api.fp8 import FP8
 from modserve.attention_backends.paged import PagedAttention
 from modserve.plugins.grammars.xgrammar_backend import XGrammarBackend
@@ -26,6 +26,7 @@ from modserve.plugins.executors.mp import MultiprocessExecutor, MultiprocessOpti
 from modserve.plugins.executors.uni import UniExecutor
 from modserve.plugins.kv_allocators.paged import PagedAllocator
 from modserve.plugins.kv_connectors.host import HostMemoryConnector, HostMemoryOptions
+from modserve.plugins.lora_resolvers.filesystem import FilesystemOptions, FilesystemResolver
 from modserve.plugins.proposers.ngram import NgramProposer
 from modserve.plugins.reasoning_parsers.think import DeepSeekR1ReasoningParser
 from modserve.plugins.tool_parsers.hermes import HermesToolParser
@@ -34,6 +35,7 @@ from modserve.quantizers.awq import AWQ
 from modserve.quantizers.gptq import GPTQ
 from modserve.quantizers.int8 import Int8
 from modserve.samplers.default import DefaultSampler
+from modserve.samplers.no_repeat_ngram import NoRepeatNGram
 
 
 # -- attention: the reference algorithm with one fault switched on --------------------------
@@ -658,6 +660,61 @@ class FindsNoReasoning(DeepSeekR1ReasoningParser):
         return None, text
 
 
+# -- LoRA resolvers: the filesystem one on the kit's directory, one fault each --------------------
+class KitFilesystem(FilesystemResolver):
+    def __init__(self, options: Any = None) -> None:
+        from modserve.testing.conformance.adapter_dirs import kit_adapters
+
+        super().__init__(FilesystemOptions(cache_dir=str(kit_adapters())))
+
+
+class EscapesItsDirectory(KitFilesystem):
+    def _inside(self, lora_name: str) -> Any:
+        return self.root / lora_name  # "../x" and "/abs" too
+
+
+class IgnoresTheBaseModel(KitFilesystem):
+    def resolve(self, base_model_name: str, lora_name: str) -> Any:
+        path = self._inside(lora_name)
+        return None if path is None or not path.is_dir() else LoRARequest(lora_name, 1, str(path))
+
+
+class RenamesTheAdapter(KitFilesystem):
+    def resolve(self, base_model_name: str, lora_name: str) -> Any:
+        found = super().resolve(base_model_name, lora_name)
+        return found and LoRARequest(f"{lora_name}-v2", 1, found.lora_path)
+
+
+class RaisesOnUnknownNames(KitFilesystem):
+    def resolve(self, base_model_name: str, lora_name: str) -> Any:
+        if self._inside(lora_name) is None or not self._inside(lora_name).is_dir():
+            raise FileNotFoundError(lora_name)
+        return super().resolve(base_model_name, lora_name)
+
+
+# -- logits processors: the built-in no_repeat_ngram with one fault each ------------------------
+class ActsOnEveryRow(NoRepeatNGram):
+    def update_state(self, batch_update: Any) -> None:  # a row without arguments gets n = 2
+        if batch_update is not None:
+            batch_update = dataclasses.replace(batch_update, added=[
+                dataclasses.replace(a, params=dataclasses.replace(a.params, extra_args=a.params.extra_args or
+                                                                  {"no_repeat_ngram_size": 2}))
+                for a in batch_update.added])
+        super().update_state(batch_update)
+
+
+class ClaimsArgmaxInvariance(NoRepeatNGram):
+    def is_argmax_invariant(self) -> bool:
+        return True  # the sampler would skip it for greedy rows, whose argmax it bans
+
+
+class IgnoresMoves(NoRepeatNGram):
+    def update_state(self, batch_update: Any) -> None:  # a moved row's state stays where it was
+        if batch_update is not None:
+            batch_update = dataclasses.replace(batch_update, moved=[])
+        super().update_state(batch_update)
+
+
 # kind -> name -> implementation; a name says what is wrong with it.
 BROKEN: dict[str, dict[str, Any]] = {
     "attention_backend": {f: attention(f) for f in (
@@ -705,6 +762,10 @@ BROKEN: dict[str, dict[str, Any]] = {
                          "names_the_wrong_end_marker": NamesTheWrongEndMarker},
     "kv_connector": {"loads_the_wrong_layer": LoadsTheWrongLayer, "counts_every_key": CountsEveryKey,
                      "fails_the_rest_after_a_miss": FailsTheRestAfterAMiss, "saves_a_view": SavesAView},
+    "logits_processor": {"acts_on_every_row": ActsOnEveryRow, "claims_argmax_invariance": ClaimsArgmaxInvariance,
+                         "ignores_moves": IgnoresMoves},
+    "lora_resolver": {"escapes_its_directory": EscapesItsDirectory, "ignores_the_base_model": IgnoresTheBaseModel,
+                      "renames_the_adapter": RenamesTheAdapter, "raises_on_unknown_names": RaisesOnUnknownNames},
 }
 # The built-ins, under other names: the kit must pass them through this very plugin.
 CONTROLS: dict[str, dict[str, str]] = {
@@ -720,6 +781,8 @@ CONTROLS: dict[str, dict[str, str]] = {
     "tool_parser": {"hermes_copy": "modserve.plugins.tool_parsers.hermes:HermesToolParser",
                     "pythonic_copy": "modserve.plugins.tool_parsers.pythonic:PythonicToolParser"},
     "reasoning_parser": {"deepseek_r1_copy": "modserve.plugins.reasoning_parsers.think:DeepSeekR1ReasoningParser"},
+    "lora_resolver": {"filesystem_kit": f"{__name__}:KitFilesystem"},  # the built-in on the kit's directory
+    "logits_processor": {"no_repeat_ngram_copy": "modserve.samplers.no_repeat_ngram:NoRepeatNGram"},
     "kv_connector": {"small_host": f"{__name__}:SmallHost",
                      "shm_copy": "modserve.plugins.kv_connectors.shm:SharedMemoryConnector"},
 }
@@ -793,3 +856,13 @@ def register_tool_parsers(register: Register) -> None:
 @hookimpl
 def register_reasoning_parsers(register: Register) -> None:
     _register("reasoning_parser", register)
+
+
+@hookimpl
+def register_lora_resolvers(register: Register) -> None:
+    _register("lora_resolver", register)
+
+
+@hookimpl
+def register_logits_processors(register: Register) -> None:
+    _register("logits_processor", register)

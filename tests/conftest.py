@@ -65,3 +65,11 @@ def checkpoint_dir(tmp_path_factory):
 @pytest.fixture(scope="session")
 def llama_dir(checkpoint_dir) -> str:
     return checkpoint_dir("llama")
+
+
+@pytest.fixture(scope="session")
+def qwen_dir(checkpoint_dir, tmp_path_factory) -> str:
+    """The tiny Qwen2 with Qwen2.5's chat template (tool calls, <tool_call> and <think> tests)."""
+    from modserve.testing.chat_templates import QWEN25_TEMPLATE, with_chat_template
+
+    return str(with_chat_template(checkpoint_dir("qwen2"), tmp_path_factory.mktemp("qwen25"), QWEN25_TEMPLATE))

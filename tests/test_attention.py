@@ -339,6 +339,63 @@ def test_paged_cpu_kernel_shapes(heads, head_dim: int, block_size: int, q_scale:
     check_cache(case, cache)
 
 
+def kernel_widths() -> list[int]:
+    """The decode kernel's vector widths this build has: 8 everywhere, 16 with AVX-512."""
+    assert PagedAttention(make_case([(3, 1)], block_size=4, num_heads=2, num_kv_heads=1).spec).kernel
+    return sorted({8, torch.ops.modserve_paged.vector_width()})
+
+
+def test_paged_kernel_width_follows_the_cpu() -> None:
+    """16-float vectors exactly where the CPU the kernel was built for has AVX-512; a width
+    the build lacks is refused by name."""
+    from modserve.plugins.platforms.cpu.features import parse_cpuinfo
+
+    avx512 = parse_cpuinfo(Path("/proc/cpuinfo").read_text()).has("avx512f")
+    assert kernel_widths() == ([8, 16] if avx512 else [8])
+    case = make_case([(40, 1)], block_size=16, num_heads=4, num_kv_heads=2, head_dim=64)
+    assert PagedAttention(case.spec).kernel_width == (16 if avx512 else 8)
+    odd = make_case([(40, 1)], block_size=16, num_heads=4, num_kv_heads=2, head_dim=40)
+    assert PagedAttention(odd.spec).kernel_width == 8  # 40 floats are not whole 16-float vectors
+    backend = PagedAttention(case.spec)
+    cache = backend_cache(backend, case)
+    with pytest.raises(RuntimeError, match="width 12: 0 \\(the widest\\), 8, or 16 in a build with AVX-512"):
+        torch.ops.modserve_paged.decode(case.q, cache[0], cache[1], case.meta.block_tables, case.meta.seq_lens,
+                                        case.spec.scale, width=12)
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("heads,head_dim,block_size", [
+    ((12, 4), 64, 16),  # G = 3, the reference model's shape: one 64-float value pass at width 16
+    ((8, 1), 128, 16),  # G = 8: two passes of 4 query rows by two of 64 dimensions
+    ((6, 2), 80, 24),  # 80 = 64 + 16: a one-vector value pass; 24-token blocks: 16 keys, then 8 alone
+    ((4, 4), 32, 8),  # G = 1 (keys read in place, not widened first); blocks shorter than 16 keys
+], ids=["g3-d64", "g8-d128", "g3-d80-bs24", "g1-d32-bs8"])
+def test_paged_cpu_kernel_at_each_width(heads, head_dim: int, block_size: int, cache_dtype) -> None:
+    """Every vector width the build has (the 8-float path stays checked on an AVX-512
+    machine) against float64 attention, over a float32 and a bf16 cache; the widths agree
+    to float32 rounding (only the order of the sums differs)."""
+    seqs = [((i * 53) % 230, 1) for i in range(13)]  # decodes only, 1 to 225 tokens each
+    case = make_case(seqs, block_size=block_size, num_heads=heads[0], num_kv_heads=heads[1],
+                     head_dim=head_dim, seed=head_dim)
+    for t in (case.q, case.k, case.v, case.slots, *case.ctx_k, *case.ctx_v):
+        t.copy_(t.to(cache_dtype).float())  # exactly representable in the cache
+    backend = PagedAttention(dataclasses.replace(case.spec, kv_cache_dtype=cache_dtype))
+    assert backend.kernel
+    cache = backend_cache(backend, case).to(cache_dtype)
+    backend.forward(case.q, case.k, case.v, cache, case.meta, backend.prepare(case.meta))  # writes k, v
+    want = naive_attention(case)
+    outs = []
+    for width in kernel_widths():
+        out = torch.ops.modserve_paged.decode(case.q, cache[0], cache[1], case.meta.block_tables,
+                                              case.meta.seq_lens, case.spec.scale, width=width)
+        torch.testing.assert_close(out.double(), want, rtol=0, atol=1e-5, msg=lambda m: f"width {width}: {m}")
+        outs.append(out)
+    for out in outs[1:]:
+        torch.testing.assert_close(out, outs[0], rtol=1e-5, atol=1e-6)
+    if len(outs) == 1:  # the 8-float path passed above
+        pytest.skip("16-float path: this build has no AVX-512 (the kernel is built for the CPU it runs on)")
+
+
 @pytest.mark.parametrize("cpu_kernel", [True, False], ids=["kernel", "torch"])
 @pytest.mark.parametrize("seqs", [MIXED, [((i * 37) % 90, 1) for i in range(20)] + [(5, 7)]],
                          ids=["mixed", "decode-groups-mixed"])

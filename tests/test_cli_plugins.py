@@ -129,7 +129,7 @@ def test_conformance_help_explains_targets_and_pytest_args(capsys: pytest.Captur
     text = capsys.readouterr().out
     assert "KIND:NAME" in text and "Arguments after -- go to pytest" in text
     assert ("Kinds: attention_backend, kv_allocator, scheduler, sampler, grammar_backend, quantizer, proposer, "
-            "executor, kv_connector, tool_parser, reasoning_parser.") in text
+            "executor, kv_connector, tool_parser, reasoning_parser, lora_resolver, logits_processor.") in text
 
 
 def test_conformance_passes_targets_and_pytest_args_to_the_kit(monkeypatch: pytest.MonkeyPatch) -> None:

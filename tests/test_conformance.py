@@ -141,6 +141,14 @@ FAULTS: list[tuple[str, str, str]] = [
     ("reasoning_parser:finds_no_reasoning", "test_examples_give_reasoning", "found no reasoning"),
     ("reasoning_parser:names_the_wrong_end_marker", "test_the_content_is_what_follows_the_end_marker",
      "which a constraint holds"),
+    ("logits_processor:acts_on_every_row", "test_rows_without_arguments_are_untouched", "must be unchanged"),
+    ("logits_processor:claims_argmax_invariance", "test_argmax_invariant_processors_keep_the_argmax",
+     "changed the argmax"),
+    ("logits_processor:ignores_moves", "test_state_follows_the_requests_when_rows_change", "must follow it"),
+    ("lora_resolver:escapes_its_directory", "test_names_outside_its_source", "outside its source"),
+    ("lora_resolver:ignores_the_base_model", "test_another_base_models_adapter_is_refused", "it must be refused"),
+    ("lora_resolver:renames_the_adapter", "test_a_resolved_adapter_is_the_one_named", "must be the name asked"),
+    ("lora_resolver:raises_on_unknown_names", "test_an_unknown_name_resolves_to_nothing", "FileNotFoundError"),
 ]
 CONTROLS = [f"{kind}:{name}" for kind, names in broken_plugins.CONTROLS.items() for name in names]
 

@@ -66,6 +66,20 @@ def test_router_prefix_then_load():
     assert router.stats()["routed"][1]["prefix"] == 1 and router.prompt_blocks > router.matched_blocks > 0
 
 
+def test_router_keeps_lora_adapters_prefixes_apart():
+    """Prefix routing keys a prompt's blocks as the engines do, salted by its adapter: the same
+    prompt under another adapter matches nothing there, and under the same adapter it does."""
+    from modserve.core.lora_request import LoRARequest
+
+    prompt, adapter = [3] * 48 + [5], LoRARequest("sql", 1, "/adapters/sql").cache_salt
+    router = Router(BLOCK, [100, 100], "prefix")
+    assert router.choose(prompt, {0: 0, 1: 0}, adapter).replica == 0
+    base = router.choose(prompt, {0: 1, 1: 0})  # the base model's KV of it is nowhere yet
+    assert (base.replica, base.by, base.matched_blocks) == (1, "load", 0)
+    again = router.choose(prompt, {0: 2, 1: 1}, adapter)
+    assert (again.replica, again.by, again.matched_blocks) == (0, "prefix", 3)
+
+
 def test_router_load_ignores_prefixes_and_skips_dead_replicas():
     router = Router(BLOCK, [100, 100, 100], "load")
     p = [3] * 32

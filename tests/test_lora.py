@@ -71,9 +71,11 @@ def test_prefill_logits_match_peft(lora_setup):
         torch.testing.assert_close(logits, refs[a][1][1], atol=1e-4, rtol=0)
 
 
-def test_prefix_cache_keeps_adapters_apart(lora_setup):
+@pytest.mark.parametrize("allocator", ["paged", "radix"])
+def test_prefix_cache_keeps_adapters_apart(lora_setup, allocator):
+    """paged salts its block keys with the adapter, radix keeps a tree per adapter."""
     base, ids, adapters, refs = lora_setup["llama"]
-    llm = _llm(base, max_loras=2, max_lora_rank=16, block_size=4, max_model_len=256)
+    llm = _llm(base, max_loras=2, max_lora_rank=16, block_size=4, max_model_len=256, kv_allocator=allocator)
     shared = ids[3]  # a long prompt: several full blocks
     params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
     a0, a1 = (LoRARequest(f"a{i}", i + 1, adapters[i]) for i in range(2))
@@ -226,9 +228,15 @@ def test_what_lora_cannot_combine_with_is_refused(llama_dir):
         EngineConfig(model=llama_dir, enable_lora=True, compile="on")
     with pytest.raises(ValueError, match="lora_modules needs enable_lora"):
         EngineConfig(model=llama_dir, lora_modules=[{"name": "a", "path": "/a"}])
-    with pytest.raises(ValueError, match="does not keep adapters' prefix-cache blocks apart"):
-        _llm(llama_dir, kv_allocator="radix")
-    assert _llm(llama_dir, kv_allocator={"name": "radix", "options": {"enable_prefix_caching": False}}).engine
+    from modserve.engine.scheduler import SchedulerCore
+    from modserve.plugins.kv_allocators.radix import RadixAllocator, RadixOptions
+
+    class OneTree(RadixAllocator):  # a caching allocator plugin that keeps adapters' KV together
+        keys_by_adapter = False
+
+    with pytest.raises(ValueError, match="OneTree does not keep adapters' prefix-cache blocks apart"):
+        SchedulerCore(None, OneTree(16, 4, 64), None, "fcfs", max_loras=1)
+    SchedulerCore(None, OneTree(16, 4, 64, RadixOptions(enable_prefix_caching=False)), None, "fcfs", max_loras=1)
 
 
 def test_tensor_parallel_shards_adapters(lora_setup):
@@ -291,3 +299,142 @@ def test_an_int8_base_gets_the_same_update(lora_setup):
         want = (inputs @ a.T) @ b.T * adapter.scaling  # [3, out_i]
         torch.testing.assert_close((lifted - plain)[[0, 2], start:start + size], want[[0, 2]], atol=1e-5, rtol=1e-5)
         assert torch.equal(lifted[1], plain[1])  # a row of no adapter is the base's, bit for bit
+
+
+def test_server_resolves_adapters_by_name(lora_setup, tmp_path):
+    """One real server with the filesystem resolver, its directory from VLLM_LORA_RESOLVER_CACHE_DIR
+    (vLLM's): an adapter first named by three concurrent requests loads once and gives peft's
+    tokens; a name not in the directory is a 404; another base model's adapter a 400 saying so."""
+    import concurrent.futures
+    import shutil
+
+    import httpx
+    import openai
+
+    from server_process import serving
+
+    base, ids, adapters, refs = lora_setup["llama"]
+    cache = tmp_path / "adapters"
+    shutil.copytree(adapters[1], cache / "found")
+    shutil.copytree(lora_setup["qwen2"][2][0], cache / "qwen-lora")  # trained on the qwen2 checkpoint
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
+    offline = _llm(base, max_lora_rank=16).generate([ids[2]], params, use_tqdm=False,
+                                                    lora_request=LoRARequest("found", 1, adapters[1]))[0].outputs[0]
+    assert offline.token_ids == refs[adapters[1]][0][2] != refs[None][0][2]
+    flags = ["--model", base, "--served-model-name", "tiny", "--dtype", "float32", "--num-kv-blocks", "128",
+             "--enable-lora", "--max-loras", "2", "--max-lora-rank", "16", "--lora-resolvers", "filesystem"]
+    env = {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True", "VLLM_LORA_RESOLVER_CACHE_DIR": str(cache)}
+    with serving(tmp_path, "resolver", *flags, env=env) as server:
+        client = server.client()
+        assert [m.id for m in client.models.list().data] == ["tiny"]
+
+        def complete(model: str) -> str:
+            out = client.completions.create(model=model, prompt=ids[2], max_tokens=MAX_NEW, temperature=0.0,
+                                            extra_body={"ignore_eos": True})
+            assert out.model == model
+            return out.choices[0].text
+
+        with concurrent.futures.ThreadPoolExecutor(3) as pool:
+            assert list(pool.map(complete, ["found"] * 3)) == [offline.text] * 3
+        cards = {m.id: m for m in client.models.list().data}
+        assert set(cards) == {"tiny", "found"} and cards["found"].parent == "tiny"
+        assert server.log.read_text().count("LoRA adapter 'found' resolved by") == 1  # loaded once
+        with pytest.raises(openai.NotFoundError) as err:
+            client.completions.create(model="missing", prompt="x", max_tokens=2)
+        assert err.value.body["code"] == "model_not_found" and err.value.body["param"] == "model"
+        refused = httpx.post(f"{server.url}/v1/chat/completions",
+                             json={"model": "qwen-lora", "messages": [{"role": "user", "content": "hi"}]})
+        assert refused.status_code == 400, refused.text
+        error = refused.json()["error"]
+        assert error["param"] == "model" and error["type"] == "invalid_request_error"
+        assert f"trained on base model {lora_setup['qwen2'][0]!r}, not on the served model" in error["message"]
+        assert "qwen-lora" not in {m.id for m in client.models.list().data}
+
+
+def _peft_update_hooks(model: torch.nn.Module, adapter_dir: str) -> list:
+    """Forward hooks that add PEFT's update ``(x @ A.T) @ B.T * scaling`` to each target's output
+    slice, from adapter_config.json and adapter_model.safetensors read here (not by modserve's
+    loader). The model's own ``locate`` says which fused linear and slice a module is."""
+    import json
+    import math
+    from pathlib import Path
+
+    from safetensors.torch import load_file
+
+    cfg = json.loads((Path(adapter_dir) / "adapter_config.json").read_text())
+    scaling = cfg["lora_alpha"] / (math.sqrt(cfg["r"]) if cfg.get("use_rslora") else cfg["r"])
+    pairs: dict[str, dict[str, torch.Tensor]] = {}
+    for key, tensor in load_file(str(Path(adapter_dir) / "adapter_model.safetensors")).items():
+        module, kind = key.removeprefix("base_model.model.model.").split(".lora_")
+        pairs.setdefault(module, {})[kind[0]] = tensor
+    layers, by_target = dict(model.named_modules()), {}
+    for module, pair in pairs.items():
+        target, shard = model.locate(module)
+        by_target.setdefault(target, []).append((shard, pair["A"], pair["B"]))
+
+    def hook(layer, inputs, out):  # out [T, sum(out_i)], inputs[0] [T, in]
+        out = out.clone()
+        for shard, a, b in by_target[layer.hook_name]:
+            start, size = layer.spec.shard_offset(shard), layer.spec.shard_sizes[shard]
+            out[:, start:start + size] += (inputs[0] @ a.T) @ b.T * scaling  # [T, r] -> [T, out_i]
+        return out
+
+    handles = []
+    for target in by_target:
+        layers[target].hook_name = target
+        handles.append(layers[target].register_forward_hook(hook))
+    return handles
+
+
+@pytest.mark.parametrize("method, quantizer", [("awq", "AWQ"), ("gptq", "GPTQ"), ("fp8", "FP8Weights")])
+def test_a_quantized_base_gets_the_peft_update(lora_setup, method, quantizer):
+    """AWQ (4-bit, group 32), GPTQ (4-bit, desc_act) or fp8 base weights, three adapters and the
+    base model in one batch. The oracle: the same quantized model with no adapter loaded, whose
+    linears add PEFT's update computed in torch from the adapter's files (hooks); each adapter's
+    greedy tokens must be the oracle's. (On the float base the same hooks give peft's tokens:
+    test_the_update_hooks_are_peft.)"""
+    from pathlib import Path
+
+    from modserve.testing import cached_quantized_checkpoint
+
+    base, ids, adapters, refs = lora_setup["llama"]
+    if method == "fp8":  # quantized at load from the float checkpoint
+        checkpoint, quant = base, {"quantization": "fp8"}
+    else:  # a checkpoint of this very base
+        quant = {"desc_act": True} if method == "gptq" else {}
+        checkpoint, quant = str(cached_quantized_checkpoint(method, cache_dir=Path(base).parent, **quant)), {}
+    llm = _llm(checkpoint, max_loras=3, max_lora_rank=16, **quant)
+    assert type(llm.engine.runner.quantizer).__name__ == quantizer
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
+    requests = [None, *(LoRARequest(f"a{i}", i + 1, a) for i, a in enumerate(adapters))]
+    outs = llm.generate([p for p in ids for _ in requests], params, use_tqdm=False,
+                        lora_request=[r for _ in ids for r in requests])
+    got = {(i, j): o.outputs[0].token_ids for i, o in enumerate(outs) for i, j in [divmod(i, len(requests))]}
+    # NOTE: its own engine, no prefix cache: KV computed under one adapter's hooks is no other's
+    oracle = _llm(checkpoint, max_lora_rank=16, kv_allocator={"name": "paged", "options": {"enable_prefix_caching": False}},
+                  **quant)
+    model = oracle.engine.runner.model
+    for j, adapter in enumerate([None, *adapters]):
+        handles = _peft_update_hooks(model, adapter) if adapter else []
+        try:
+            want = [o.outputs[0].token_ids for o in oracle.generate(ids, params, use_tqdm=False)]
+        finally:
+            for h in handles:
+                h.remove()
+        assert [got[i, j] for i in range(len(ids))] == want, f"adapter {j}"
+    assert len({tuple(got[0, j]) for j in range(len(requests))}) == len(requests)  # each adapter tells
+    assert [got[i, 0] for i in range(len(ids))] != refs[None][0]  # quantized weights: not the float model's
+
+
+def test_the_update_hooks_are_peft(lora_setup):
+    """The AWQ test's oracle is sound: on the float base, the hooks give transformers + peft's tokens."""
+    base, ids, adapters, refs = lora_setup["llama"]
+    oracle = _llm(base, max_lora_rank=16, kv_allocator={"name": "paged", "options": {"enable_prefix_caching": False}})
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
+    for adapter in adapters:
+        handles = _peft_update_hooks(oracle.engine.runner.model, adapter)
+        try:
+            assert [o.outputs[0].token_ids for o in oracle.generate(ids, params, use_tqdm=False)] == refs[adapter][0]
+        finally:
+            for h in handles:
+                h.remove()

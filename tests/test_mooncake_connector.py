@@ -137,8 +137,8 @@ def test_a_read_the_transport_refuses_fails_that_block_alone():
             conn.save_layer(0, cache, [BlockTransfer(key, i)])
         conn.finish_saves()
         assert conn.stored_blocks(keys) == 3
-        peer, addr, gen, chain = conn.found[keys[1]]
-        conn.found[keys[1]] = (peer, addr + 2**40, gen, chain)  # outside the producer's registered pool
+        found = conn.found[keys[1]]
+        conn.found[keys[1]] = found._replace(addr=found.addr + 2**40)  # outside the producer's registered pool
         assert conn.load([BlockTransfer(k, 3 + i) for i, k in enumerate(keys)]) == [1]
         assert torch.equal(cache[:, 3], cache[:, 0]) and torch.equal(cache[:, 5], cache[:, 2])
         assert conn.stats()["blocks_held"] == 0  # the chain was released, the failed block too

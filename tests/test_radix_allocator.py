@@ -278,3 +278,29 @@ def test_the_eviction_heap_stays_bounded_without_eviction_pressure(make):
     admit(alloc, big)
     assert alloc.stats()["evictions"] == 4 and alloc.stats()["cached_blocks"] == 16
     free(alloc, big)
+
+
+def test_each_lora_adapter_has_its_own_tree(make):
+    """Adapters' KV differs for the same tokens: a prefix cached under one is never matched under
+    another or the base model; under the same adapter it is. An adapter's tree goes when empty."""
+    from modserve.core.lora_request import LoRARequest
+
+    alloc = make(num_blocks=12)
+    alloc.enable_events()
+    sql, chat = LoRARequest("sql", 1, "/a/sql"), LoRARequest("chat", 2, "/a/chat")
+    tokens = list(range(9))  # 2 full blocks + 1 token
+    a = seq(0, tokens)
+    a.lora_request = sql
+    assert admit(alloc, a) == 0
+    stored = [e for e in alloc.take_events() if type(e).__name__ == "BlockStored"]
+    assert [(e.lora_id, e.lora_name) for e in stored] == [(1, "sql")]
+    b, c, d = seq(1, tokens), seq(2, tokens), seq(3, tokens)
+    b.lora_request, d.lora_request = chat, sql
+    assert admit(alloc, b, a) == 0 and admit(alloc, c, a, b) == 0  # another adapter, the base model: no hit
+    assert admit(alloc, d, a, b, c) == 8 and d.block_ids[:2] == a.block_ids[:2]  # the same adapter: a hit
+    assert set(alloc.roots) == {b"", sql.cache_salt, chat.cache_salt}
+    free(alloc, a, b, c, d)
+    e = seq(4, list(range(100, 145)))  # 12 blocks: every cached block is evicted for it
+    assert admit(alloc, e) == 0
+    assert set(alloc.roots) == {b""}  # the adapters' trees went with their last blocks
+    free(alloc, e)

@@ -132,7 +132,7 @@ def test_offline_params_and_the_sampler_keep_a_tiny_temperature_finite():
     # A batch built around SamplingParams: the sampler's own floor keeps logits / t finite.
     logits = torch.tensor([[0.0, 1.0, 5.0, 2.0], [3.0, 0.0, 1.0, 9.0]])  # [B=2, V=4]
     batch = SimpleNamespace(temperature=torch.tensor([1e-40, 1e-40]), any_top_k=False, any_top_p=False,
-                            any_min_p=False)
+                            any_min_p=False, argmax_invariant_processors=())
     shaped = DefaultSampler.__new__(DefaultSampler)._shape(logits, batch)
     assert torch.isfinite(shaped).all() and shaped.softmax(-1).argmax(-1).tolist() == [2, 3]
 

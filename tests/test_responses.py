@@ -14,7 +14,6 @@ import openai
 import pytest
 from transformers import AutoTokenizer
 
-from modserve.testing.chat_templates import QWEN25_TEMPLATE, with_chat_template
 from server_process import serving_together, wait_for
 
 WEATHER = {"type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Rome", "Tokyo"]},
@@ -26,11 +25,6 @@ CHAT_TOOLS = [{"type": "function", "function": {"name": "get_weather", "descript
 ASK = "What is the weather in Paris?"
 GREEDY = dict(model="tiny-qwen", temperature=0.0)
 MAX_STORED = 3
-
-
-@pytest.fixture(scope="module")
-def qwen_dir(checkpoint_dir, tmp_path_factory) -> str:
-    return str(with_chat_template(checkpoint_dir("qwen2"), tmp_path_factory.mktemp("qwen25"), QWEN25_TEMPLATE))
 
 
 @pytest.fixture(scope="module")

@@ -19,7 +19,6 @@ import pytest
 from transformers import AutoTokenizer
 
 from modserve.core.registry import get_registry
-from modserve.testing.chat_templates import QWEN25_TEMPLATE, with_chat_template
 from server_process import serving_together
 
 WEATHER = {"type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Rome", "Tokyo"]},
@@ -129,11 +128,6 @@ def test_the_servers_parsers_are_checked_at_start(llama_dir):
 
 
 # -- end to end: one server with tools, one with a reasoning parser ----------------------------
-
-
-@pytest.fixture(scope="module")
-def qwen_dir(checkpoint_dir, tmp_path_factory) -> str:
-    return str(with_chat_template(checkpoint_dir("qwen2"), tmp_path_factory.mktemp("qwen25"), QWEN25_TEMPLATE))
 
 
 @pytest.fixture(scope="module")

@@ -34,6 +34,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs; at run time each name is import
         AttentionBackend, AttentionMetadata, AttentionSpec, CudaGraphSupport)
     from modserve.core.contracts.kv_connector import BlockTransfer, KVConnector, KVConnectorContext
     from modserve.core.contracts.model import CausalLM, DecoderLayerLayout, DecoderLayout
+    from modserve.core.contracts.lora import LoRAKernel, LoRAMapping
     from modserve.core.contracts.executor import Executor, WorkerSpec
     from modserve.core.contracts.platform import FinishedModel, GraphSettings, ModelLoad, Platform, StepForward
     from modserve.core.contracts.grammar_backend import GrammarBackend, GrammarMatcher, GrammarVocab
@@ -46,6 +47,10 @@ if TYPE_CHECKING:  # for type checkers and IDEs; at run time each name is import
     from modserve.core.contracts.scheduler import Schedule, Scheduler, SchedulerLimits, SchedulerView
     from modserve.core.contracts.tool_parser import ToolCall, ToolCallDelta, ToolExtraction, ToolParser, ToolStreamDelta
     from modserve.core.contracts.reasoning_parser import ReasoningDelta, ReasoningParser
+    from modserve.core.contracts.lora_resolver import LoRAResolver
+    from modserve.core.lora_request import LoRARequest
+    from modserve.core.contracts.logits_processor import (
+        AddedRequest, BatchUpdate, LogitsProcessor, MoveDirectionality, extra_arg)
     from modserve.api.tool_parsing import PartialCall, ReparsingToolParser, hold_back, json_call, json_objects
     from modserve.runner.linear import (
         Linear, LinearFactory, Unquantized, VocabEmbedding, check_name, float_layers, linear_factory, load_shard,
@@ -55,6 +60,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs; at run time each name is import
     from modserve.runner.main import run_worker
     from modserve.core.registry import PluginError
     from modserve.runner.sampling import add_logprobs, sample_rows
+    from modserve.runner.logits_processors import apply_processors
     from modserve.core.sampling_params import SamplingParams
     from modserve.core.sequence import Sequence, SequenceStatus
     from modserve.core.structured_outputs import GrammarSpec, StructuredOutputs
@@ -76,6 +82,7 @@ _WHERE: dict[str, str] = {name: module for module, names in (
      "AllBlocksCleared BlockRemoved BlockStored KVAllocator KVCacheEvent block_keys"),
     ("modserve.core.contracts.kv_connector", "BlockTransfer KVConnector KVConnectorContext"),
     ("modserve.core.contracts.model", "CausalLM DecoderLayerLayout DecoderLayout"),
+    ("modserve.core.contracts.lora", "LoRAKernel LoRAMapping"),
     ("modserve.core.contracts.moe_backend", "MoEBackend"),
     ("modserve.core.contracts.platform", "FinishedModel GraphSettings ModelLoad Platform StepForward"),
     ("modserve.core.contracts.proposer", "Proposal Proposer ProposerContext"),
@@ -84,6 +91,9 @@ _WHERE: dict[str, str] = {name: module for module, names in (
     ("modserve.core.contracts.scheduler", "Schedule Scheduler SchedulerLimits SchedulerView"),
     ("modserve.core.contracts.tool_parser", "ToolCall ToolCallDelta ToolExtraction ToolParser ToolStreamDelta"),
     ("modserve.core.contracts.reasoning_parser", "ReasoningDelta ReasoningParser"),
+    ("modserve.core.contracts.lora_resolver", "LoRAResolver"),
+    ("modserve.core.lora_request", "LoRARequest"),
+    ("modserve.core.contracts.logits_processor", "AddedRequest BatchUpdate LogitsProcessor MoveDirectionality extra_arg"),
     ("modserve.api.tool_parsing", "PartialCall ReparsingToolParser hold_back json_call json_objects value_end"),
     ("modserve.runner.linear",
      "Linear LinearFactory Unquantized VocabEmbedding check_name float_layers linear_factory "
@@ -93,6 +103,7 @@ _WHERE: dict[str, str] = {name: module for module, names in (
     ("modserve.runner.main", "run_worker"),
     ("modserve.core.registry", "PluginError"),
     ("modserve.runner.sampling", "add_logprobs sample_rows"),
+    ("modserve.runner.logits_processors", "apply_processors"),
     ("modserve.core.sampling_params", "SamplingParams"),
     ("modserve.core.sequence", "Sequence SequenceStatus"),
     ("modserve.core.structured_outputs", "GrammarSpec StructuredOutputs"),
@@ -117,21 +128,23 @@ __all__ = [
     # contracts, one per kind
     "AttentionBackend", "CausalLM", "Executor", "GrammarBackend", "GrammarMatcher", "KVAllocator", "MoEBackend",
     "Platform",
-    "Proposer", "Quantizer", "ReasoningParser", "Sampler", "Scheduler", "ToolParser",
+    "Proposer", "Quantizer", "ReasoningParser", "Sampler", "Scheduler", "ToolParser", "LogitsProcessor",
+    "LoRAResolver",
     # the data they receive and return
     "AllBlocksCleared", "BlockRemoved", "BlockStored", "KVCacheEvent",
     "AttentionMetadata", "AttentionSpec", "CudaGraphSupport", "DecoderLayerLayout", "DecoderLayout", "FinishedModel",
     "GrammarSpec", "GrammarVocab",
-    "GraphSettings", "LinearSpec", "StepForward",
+    "GraphSettings", "LinearSpec", "StepForward", "LoRAKernel", "LoRAMapping",
     "ModelLoad", "Proposal", "ProposerContext", "SamplerOutput", "SamplingBatch", "SamplingParams", "Schedule",
     "SchedulerLimits", "SchedulerView", "Sequence", "SequenceStatus", "SequenceView", "StructuredOutputs",
     "TensorLayout", "WorkerSpec", "ReasoningDelta", "ToolCall", "ToolCallDelta", "ToolExtraction", "ToolStreamDelta",
+    "AddedRequest", "BatchUpdate", "MoveDirectionality", "extra_arg", "LoRARequest",
     # helpers for tool parsers (modserve/api/tool_parsing.py)
     "PartialCall", "ReparsingToolParser", "hold_back", "json_call", "json_objects", "value_end",
     # models and linears
     "Linear", "LinearFactory", "TensorParallel", "Unquantized", "VocabEmbedding", "attention", "check_name", "float_layers", "forward_context",
     "linear_factory", "load_shard", "model_bytes", "param", "CheckpointTensor", "as_tensor",
     # helpers
-    "Budget", "FP8", "FP8_MAX", "add_logprobs", "admit", "advance_running", "block_keys", "build_batch", "chunk_size",
+    "Budget", "FP8", "FP8_MAX", "add_logprobs", "admit", "apply_processors", "advance_running", "block_keys", "build_batch", "chunk_size",
     "fp8_to_float", "load_kernel", "op_by_name", "read_kv", "run_worker", "sample_rows", "slots", "start_budget", "to_fp8", "write_kv",
 ]

@@ -13,7 +13,8 @@ A step's batch splits into two groups:
   call of a C++ kernel
   (``csrc/paged_decode.cpp``, built on first use by :func:`modserve.api.load_kernel`)
   that reads each sequence's blocks in
-  place, one task per (sequence, KV head). Elsewhere, or
+  place, one task per (sequence, KV head), in 16-float vectors where it was built with
+  AVX-512 (:func:`kernel_width`), else 8. Elsewhere, or
   where the kernel cannot be built, they are sorted by length into groups of up to 16,
   run as one batched computation per group: their KV is gathered into ``[Bd, Hkv, L, D]``
   (``L`` = the group's longest decode, rounded up to whole blocks) and attended
@@ -48,7 +49,9 @@ into the output: ``softmax(q (ks k8)^T s) (vs v8) = vs softmax(q k8^T (ks s)) v8
 
 from __future__ import annotations
 
+import functools
 import itertools
+import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -59,6 +62,8 @@ from pydantic import BaseModel, Field
 from modserve.api.cpp import load_kernel
 from modserve.api.fp8 import FP8, fp8_to_float, to_fp8
 from modserve.api import AttentionBackend, AttentionMetadata, AttentionSpec
+
+logger = logging.getLogger("modserve")
 
 
 class PagedOptions(BaseModel):
@@ -121,6 +126,19 @@ DECODE_KERNEL = Path(__file__).parent / "csrc" / "paged_decode.cpp"
 DECODE_GROUP = 16
 
 
+@functools.cache
+def kernel_width(head_dim: int) -> int:
+    """Floats per vector of the decode kernel on this head size: 16 where it was built with
+    AVX-512 (``-march=native``: where this CPU has it) and ``head_dim`` is a multiple of 16,
+    else 8. Logged once per head size, as the CPU platform logs its linear route."""
+    widest = torch.ops.modserve_paged.vector_width()
+    width = 16 if widest == 16 and head_dim % 16 == 0 else 8
+    why = ("AVX-512" if width == 16 else f"head_dim {head_dim} is not a multiple of 16" if widest == 16
+           else "no AVX-512")
+    logger.info("paged decode kernel: %d-float vectors (%s)", width, why)
+    return width
+
+
 class PagedAttention(AttentionBackend):
     """Batched decode attention plus per-sequence SDPA prefills over a paged KV cache."""
 
@@ -133,6 +151,7 @@ class PagedAttention(AttentionBackend):
         self.kernel = (self.options.cpu_kernel and spec.device.type == "cpu" and spec.dtype == torch.float32
                        and spec.kv_cache_dtype in (torch.float32, torch.bfloat16) and spec.head_dim % 8 == 0
                        and load_kernel("modserve_paged_decode", str(DECODE_KERNEL)) is None)
+        self.kernel_width = kernel_width(spec.head_dim) if self.kernel else None
 
     def kv_cache_problem(self) -> str | None:
         s = self.spec

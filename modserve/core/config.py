@@ -29,6 +29,8 @@ class PluginChoice(BaseModel):
     @model_validator(mode="before")
     @classmethod
     def _from_name(cls, value: Any) -> Any:
+        if isinstance(value, type):  # a class, as vLLM's LLM(logits_processors=[Cls]) takes one: by its path
+            return {"name": f"{value.__module__}:{value.__qualname__}"}
         return {"name": value} if isinstance(value, str) else value
 
 
@@ -113,6 +115,9 @@ class EngineConfig(BaseModel):
     preemption_mode: Literal["recompute", "swap"] = Field(
         "recompute", description="When blocks run out: drop the KV and recompute it, or copy it to host memory")
     swap_space_gb: float = Field(4.0, ge=0, description="Host memory for swapped-out KV (preemption_mode: swap)")
+    async_scheduling: bool = Field(
+        False, description="Run step N+1's forward on a background thread while step N's tokens are "
+        "detokenized, checked for stop strings and turned into outputs (docs/scheduling.md)")
     num_swap_blocks: int | None = Field(None, ge=0, description="Exact host block count (overrides swap_space_gb)")
     max_num_seqs: int = Field(128, gt=0, description="Most sequences running at once")
     max_num_batched_tokens: int = Field(2048, gt=0, description="Token budget of one step (prefill chunk size)")
@@ -199,6 +204,10 @@ class EngineConfig(BaseModel):
     distributed_executor_backend: PluginChoice | None = Field(
         None, description="Executor plugin that starts the ranks beyond the first: mp (processes on this "
         "machine), ray (Ray actors, several machines); default mp when tensor_parallel_size > 1, else uni")
+    master_port: int | None = Field(
+        None, ge=1, le=65535, description="The port the tensor/pipeline-parallel ranks rendezvous on (torch."
+        "distributed's store, on the executor's rendezvous host), for a firewall that opens one port; "
+        "data-parallel rank i takes master_port + i; default: a free port")
     compile: Literal["auto", "on", "off"] = Field(
         "auto", description="torch.compile each layer's ops around attention (and, on CPU with a 16-bit "
         "checkpoint, the batch-1 decode GEMV); auto: on for models of 64 MiB of weights or more, quantized "
@@ -224,6 +233,12 @@ class EngineConfig(BaseModel):
         "true, endpoint: tcp://*:5557, replay_endpoint: ..., topic: ...}; default: none")
     scheduler: PluginChoice = Field(PluginChoice(name="fcfs"), description="Scheduling policy plugin")
     sampler: PluginChoice = Field(PluginChoice(name="default"), description="Sampler plugin")
+    logits_processors: list[PluginChoice] = Field(
+        default_factory=list, description="Logits processor plugins the sampler applies, in order (vLLM's "
+        "--logits-processors): registered names (no_repeat_ngram) or classes as pkg.mod:Class; a request's "
+        "arguments come in its extra_args (server: vllm_xargs)")
+    max_vllm_xargs_bytes: int = Field(
+        4096, gt=0, description="Server: largest vllm_xargs (its JSON) in one request, else 400")
     grammar_backend: PluginChoice = Field(
         PluginChoice(name="auto"), description="Structured outputs: a grammar backend plugin, or auto "
         "(the first registered backend that compiles the spec: xgrammar, then outlines, then others)")
@@ -273,6 +288,11 @@ class EngineConfig(BaseModel):
     lora_modules: list[LoRAModule] = Field(
         [], description="With enable_lora: adapters served from the start, each "
         "{name, path} (the server lists them as models)")
+    lora_resolvers: list[PluginChoice] = Field(
+        [], description="With enable_lora and VLLM_ALLOW_RUNTIME_LORA_UPDATING: lora_resolver plugins asked, in "
+        "order, for an adapter a request names that is not loaded (filesystem, ...; docs/lora.md)")
+    lora_resolver_timeout: float = Field(30.0, gt=0, description="With lora_resolvers: seconds one resolver "
+                                         "may take to answer for a name, after which its requests get a 503")
     kv_load_failure_policy: Literal["recompute", "fail"] = Field(
         "recompute", description="With kv_connector: when a block cannot be loaded (missing, corrupt), compute "
         "the prompt instead, or fail that request")
@@ -307,10 +327,15 @@ class EngineConfig(BaseModel):
             raise ValueError("kv_connector does not work with pipeline_parallel_size > 1 yet (tensor parallel does)")
         if self.enable_lora and self.pipeline_parallel_size > 1:
             raise ValueError("enable_lora does not work with pipeline_parallel_size > 1 (tensor parallel does)")
-        if self.lora_modules and not self.enable_lora:
-            raise ValueError("lora_modules needs enable_lora")
+        if (self.lora_modules or self.lora_resolvers) and not self.enable_lora:
+            raise ValueError(f"{'lora_modules' if self.lora_modules else 'lora_resolvers'} needs enable_lora")
         if self.enable_lora and (self.compile == "on" or self.cuda_graph_sizes):
             raise ValueError("enable_lora runs the layers eagerly: not with compile: on or cuda_graph_sizes")
+        if self.logits_processors and self.speculative is not None:
+            raise ValueError("logits_processors cannot be combined with speculative decoding yet: drafts are "
+                             "verified without the processors' per-row state")
+        if self.async_scheduling and self.runner == "pooling":
+            raise ValueError("async_scheduling does not work with runner pooling: it has no decode steps to overlap")
         if self.runner == "pooling" and self.world_size > 1:  # its forward runs on rank 0 alone
             raise ValueError("runner pooling runs on one rank: tensor_parallel_size and pipeline_parallel_size 1")
         return self

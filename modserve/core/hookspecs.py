@@ -32,10 +32,11 @@ hookimpl = pluggy.HookimplMarker("modserve")
 # a major one may remove what the minor releases before it deprecated. A plugin declares the
 # version it was written for as ``MODSERVE_PLUGIN_API = "1.0"`` on its entry-point object;
 # the registry loads it when the major matches and its minor is not newer than ours.
-PLUGIN_API_VERSION = "1.7"  # 1.1: kv_connector kind; 1.2: Quantizer.traceable; 1.3: native decode (CausalLM.
+PLUGIN_API_VERSION = "1.8"  # 1.1: kv_connector kind; 1.2: Quantizer.traceable; 1.3: native decode (CausalLM.
 # decoder_layout, Quantizer.native_op, AttentionBackend.native_decode, GraphSettings.model); 1.4: GrammarBackend.
 # serialize/deserialize; 1.5: block_keys, Platform.device_for_rank/shares_host_memory/pin_memory, logit_bias;
-# 1.6: tool_parser and reasoning_parser kinds; 1.7: CheckpointTensor, as_tensor, CausalLM.reads_parts
+# 1.6: tool_parser and reasoning_parser kinds; 1.7: CheckpointTensor, as_tensor, CausalLM.reads_parts;
+# 1.8: logits_processor kind, SamplingBatch.logits_processors, SamplingParams.extra_args; lora_resolver kind
 
 
 class Register(Protocol):
@@ -122,6 +123,17 @@ def register_reasoning_parsers(register: Register) -> None:
     """Register :class:`~modserve.core.contracts.reasoning_parser.ReasoningParser` classes (``reasoning_parser``)."""
 
 
+@hookspec
+def register_lora_resolvers(register: Register) -> None:
+    """Register :class:`~modserve.core.contracts.lora_resolver.LoRAResolver` classes: where an adapter a
+    request names but the server has not loaded is found (``lora_resolvers: [filesystem]``)."""
+
+
+@hookspec
+def register_logits_processors(register: Register) -> None:
+    """Register :class:`~modserve.core.contracts.logits_processor.LogitsProcessor` classes (``logits_processors``)."""
+
+
 # kind -> hook name; the registry's single source of the kinds.
 KIND_HOOKS: dict[str, str] = {
     "attention_backend": "register_attention_backends",
@@ -138,4 +150,6 @@ KIND_HOOKS: dict[str, str] = {
     "kv_connector": "register_kv_connectors",
     "tool_parser": "register_tool_parsers",
     "reasoning_parser": "register_reasoning_parsers",
+    "lora_resolver": "register_lora_resolvers",
+    "logits_processor": "register_logits_processors",
 }

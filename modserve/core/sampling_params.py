@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 from modserve.core.structured_outputs import StructuredOutputs
 
@@ -56,6 +57,8 @@ class SamplingParams:
     allowed_token_ids: list[int] | None = None  # only these tokens may be sampled
     bad_words: list[str] | None = None  # never generated (vLLM's rule: engine/preprocess.py, runner/sampling.py)
     truncate_prompt_tokens: int | None = None  # keep the prompt's last k tokens; -1: max_model_len
+    # Arguments for the engine's logits processors (vLLM's; the server's vllm_xargs), read by each in update_state
+    extra_args: dict[str, Any] | None = None
     bad_words_token_ids: list[list[int]] | None = field(default=None, init=False, compare=False)  # set when added
 
     def __post_init__(self) -> None:
@@ -124,6 +127,9 @@ class SamplingParams:
             raise bad("spaces_between_special_tokens", "must be true with skip_special_tokens false (not supported)")
         if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputs):
             raise bad("structured_outputs", "must be a StructuredOutputs")
+        if self.extra_args is not None and (not isinstance(self.extra_args, dict)
+                                            or not all(isinstance(k, str) for k in self.extra_args)):
+            raise bad("extra_args", "must be a dict with string keys")
 
     @property
     def greedy(self) -> bool:

@@ -44,6 +44,11 @@ class LaunchSpec(msgspec.Struct):
     outbox: str  # ZMQ address the server PULLs from
     beats: str  # ZMQ address of the heartbeats
     parent_pid: int
+    # A core on another machine (--headless): inbox, outbox and beats are empty, and come from
+    # the API server's answer to its handshake at this tcp:// address (core_handshake.py).
+    handshake: str = ""
+    fingerprint: dict[str, str] = {}
+    ready_timeout: float = 600.0  # seconds to wait for the API server's answer
 
 
 class EngineCore:
@@ -204,7 +209,17 @@ def main() -> int:
                         format=f"%(asctime)s %(levelname)s [engine-core {spec.dp_rank}] %(name)s: %(message)s")
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the server decides when the core stops
     context = zmq.Context()
+    if spec.handshake:
+        from modserve.engine.remote_core import handshake
+
+        joined = handshake(context, spec.handshake, spec.dp_rank, spec.fingerprint, spec.ready_timeout)
+        spec = msgspec.structs.replace(spec, inbox=joined.inbox, outbox=joined.outbox, beats=joined.beats)
     inbox, outbox = context.socket(zmq.PULL), context.socket(zmq.PUSH)
+    if spec.handshake:  # before connecting: the watch must see the connection made
+        from modserve.engine.remote_core import end_with_server, keep_alive
+
+        keep_alive(inbox, outbox)
+        end_with_server(inbox, spec.handshake)
     for sock, address in ((inbox, spec.inbox), (outbox, spec.outbox)):
         sock.setsockopt(zmq.LINGER, 2000)  # a last message (Dead, Failed) still goes out
         sock.connect(address)
@@ -249,6 +264,9 @@ def _serve(engine: Any, context: zmq.Context, inbox: zmq.Socket, outbox: zmq.Soc
         for rid in list(engine.requests):  # stopped with requests in flight: free their blocks
             engine.abort_request(rid)
         engine.shutdown()
+        from modserve.engine.remote_core import stop_watching
+
+        stop_watching()  # a remote core's own closing is no lost server
         inbox.close()
         outbox.close()
         context.term()

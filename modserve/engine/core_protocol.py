@@ -62,7 +62,7 @@ class Utility(msgspec.Struct, tag=True):
 
 
 # The engine methods a server may call through Utility (vLLM's engine core has the same door).
-UTILITY_METHODS = frozenset({"embed", "stats", "add_lora", "remove_lora"})
+UTILITY_METHODS = frozenset({"embed", "stats", "add_lora", "remove_lora", "kv_transfer_params"})
 
 
 class Shutdown(msgspec.Struct, tag=True):

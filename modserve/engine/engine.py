@@ -25,6 +25,7 @@ from modserve.core.registry import PluginError, Registry, get_registry
 from modserve.core.sampling_params import SamplingParams
 from modserve.core.sequence import Sequence
 from modserve.core.step import ModelOutput, ScheduledStep
+from modserve.engine.async_step import OverlappedSteps
 from modserve.engine.grammar import AUTO, GrammarCompiler, wait_any
 from modserve.engine.grammar_gate import gated
 from modserve.engine.grammar_compile import CompiledGrammar
@@ -71,7 +72,7 @@ class LLMEngine:
             self.pooler = PoolingRunner(self.runner, resolve_pooler(config, setup.hf_config)) \
                 if config.runner == "pooling" else None
             self.limits = EngineLimits(self.runner.vocab_size, self.max_model_len, config.max_num_seqs,
-                                       config.max_logprobs)
+                                       config.max_logprobs, self.runner.logits_processors.classes)
             self._start_kv_and_scheduler(registry)
         except Exception as e:
             # rank 0's own ValueError (the config) is the cause even when the workers, failing on
@@ -104,6 +105,7 @@ class LLMEngine:
         self.spec = SpecDecode.create(config, registry, self.runner, self.num_blocks, self.max_model_len)
         self.isolation = CulpritIsolation(self.scheduler, self.spec.forget)
         self.outputs = OutputProcessor(self.eos_token_ids)
+        self.overlap = OverlappedSteps(self) if config.async_scheduling else None
         if self.runner.compiled:
             self._warm_up()
 
@@ -135,6 +137,8 @@ class LLMEngine:
             self.stopped = True
             self.grammar.close()
             self.kv_events.close()
+            if self.overlap is not None:
+                self.overlap.close()
             stop_ranks(self.executor, self.runner.tp, self.config.world_size, tell=self.ranks_in_step)
             self.runner.close()
 
@@ -190,6 +194,10 @@ class LLMEngine:
     def add_lora(self, request: LoRARequest) -> None:
         """Check and cache an adapter (vLLM's name); a ValueError says why it cannot run here."""
         self.runner.check_lora(request)
+
+    def kv_transfer_params(self) -> dict[str, Any] | None:
+        """A producer's ``kv_transfer_params`` for its prefill responses: its KV connector's."""
+        return None if self.runner.connector is None else self.runner.connector.transfer_params()
 
     def remove_lora(self, lora_int_id: int) -> bool:
         """Forget an adapter's weights (requests that name it again reload it); whether it was held."""
@@ -260,7 +268,8 @@ class LLMEngine:
         if not self.compiling:
             return self._guarded_step()
         outputs = self._admit_compiled()
-        if not outputs and not self.scheduler.has_work() and not self.isolation.active:
+        if not outputs and not self.scheduler.has_work() and not self.isolation.active \
+                and not getattr(self.overlap, "pending", None):  # nor a step's tokens left to show
             wait_any(self.compiling.values(), timeout=0.05)  # only compiles left: wait, don't spin
             outputs = self._admit_compiled()
         return outputs + self._guarded_step()
@@ -276,7 +285,8 @@ class LLMEngine:
             if isinstance(e, RanksOutOfStep):
                 self.ranks_in_step = False  # shutdown must not send them anything: they are in a collective
                 raise EngineDeadError(str(e)) from e
-            return [o for rid in self.isolation.failed(e, self.requests) for o in self._fail_request(rid, e)]
+            shown = self.overlap.take_salvaged() if self.overlap is not None else []  # the step before's
+            return shown + [o for rid in self.isolation.failed(e, self.requests) for o in self._fail_request(rid, e)]
         finally:
             self.kv_events.publish()  # the step's blocks stored and evicted, as one batch
         self.isolation.after_step(self.requests)
@@ -304,6 +314,8 @@ class LLMEngine:
     def _step(self) -> list[RequestOutput]:
         """Schedule (running decodes with draft slots), propose drafts, run the model, let
         the scheduler apply the result, emit the new tokens."""
+        if self.overlap is not None:  # async scheduling: this forward runs while the last step is shown
+            return self.overlap.step()
         if not self.scheduler.has_work():
             return []
         scheduled = self.scheduler.step(self.spec.reserve(self.scheduler.running, self._max_tokens))

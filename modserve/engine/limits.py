@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from modserve.core.contracts.logits_processor import LogitsProcessor
 from modserve.core.sampling_params import SamplingParams
 
 
@@ -14,6 +15,7 @@ class EngineLimits:
     max_model_len: int  # prompt + output tokens of one sequence
     max_num_seqs: int  # sequences running at once: the most samples (n) one request may ask
     max_logprobs: int  # the most top logprobs a request may ask, per token and per prompt token
+    logits_processors: tuple[type[LogitsProcessor], ...] = ()  # the engine's: each checks a request's extra_args
 
     def validate_prompt(self, token_ids: list[int]) -> None:
         if not token_ids:
@@ -41,6 +43,8 @@ class EngineLimits:
         if bad is not None:
             raise ValueError(f"stop_token_ids holds {bad}, outside the vocabulary [0, {self.vocab_size})")
         self._validate_token_rules(params)
+        for cls in self.logits_processors:
+            cls.validate_params(params)
 
     def _validate_token_rules(self, params: SamplingParams) -> None:
         """logit_bias, allowed_token_ids, bad_words and truncate_prompt_tokens (vLLM checks them in

@@ -70,7 +70,11 @@ class OutputProcessor:
         stops, num_read = [], 0
         row = 0  # this sequence's first row in output.samples
         for seq, tokens in output.token_ids.items():
-            req = touched[seq.request_id] = requests[seq.request_id]
+            req = requests.get(seq.request_id)
+            if req is None or req.seqs[seq.index] is not seq:  # ended after its step ran, before it was read
+                row += len(tokens)
+                continue
+            touched[seq.request_id] = req
             sample = req.samples[seq.index]
             for i, token in enumerate(seq.output_token_ids[sample.seen:]):
                 num_read += 1
@@ -137,7 +141,10 @@ def stamp_scheduled(requests: Mapping[str, Request], seqs: Collection[Sequence],
 
 def _add_prompt_logprobs(output: ModelOutput, requests: Mapping[str, Request]) -> None:
     for seq, (first, row, num_rows) in output.prompt_seqs.items():
-        entries = requests[seq.request_id].prompt_logprobs
+        req = requests.get(seq.request_id)
+        if req is None or req.seqs[seq.index] is not seq:  # ended before its step was read (async scheduling)
+            continue
+        entries = req.prompt_logprobs
         # NOTE: a recompute (preemption; a fork that waited for a slot) scores the prompt
         # again from position 0: the entries it already has are skipped, none is lost.
         for i in range(len(entries) - first, num_rows):

@@ -59,7 +59,8 @@ class SchedulerCore(SchedulerView):
         self.max_loras = max_loras  # enable_lora: the most distinct adapters running at once
         if max_loras and getattr(allocator, "caching", False) and not allocator.keys_by_adapter:
             raise ValueError(f"enable_lora: the KV allocator {type(allocator).__name__} does not keep adapters' "
-                             "prefix-cache blocks apart: use kv_allocator paged, or its enable_prefix_caching off")
+                             "prefix-cache blocks apart: use kv_allocator paged or radix, or its "
+                             "enable_prefix_caching off")
         self.eos_token_ids = frozenset(eos_token_ids)
         self.allocator = allocator
         self.limits = limits
@@ -193,7 +194,8 @@ class SchedulerCore(SchedulerView):
             self._allocate(seq, seq.num_computed_tokens + n)
             if external:
                 first = (seq.num_computed_tokens - external) // self.allocator.block_size
-                out.kv_loads[seq] = [BlockTransfer(seq.block_hashes[j], seq.block_ids[j])
+                remote = remote_kv(seq)
+                out.kv_loads[seq] = [BlockTransfer(seq.block_hashes[j], seq.block_ids[j], remote)
                                      for j in range(first, first + external // self.allocator.block_size)]
             if self.connector is not None and self.kv_role != "consumer":
                 self._plan_saves(seq, n, out)
@@ -262,7 +264,8 @@ class SchedulerCore(SchedulerView):
         keys = self._prompt_keys(seq)
         usable = min(len(keys), (seq.num_tokens - 1) // size)
         with calling(connector, "kv_connector", "stored_blocks()"):
-            stored = connector.stored_blocks(keys)
+            remote = remote_kv(seq)
+            stored = connector.stored_blocks_from(keys, remote) if remote else connector.stored_blocks(keys)
         if not isinstance(stored, int) or not 0 <= stored <= len(keys):
             raise broke(connector, "kv_connector", "stored_blocks()", f"an int in [0, {len(keys)}]",
                         described(stored))
@@ -323,7 +326,10 @@ class SchedulerCore(SchedulerView):
         blocks its swap-ins freed; then its new tokens in order, each checked for a stop (the
         tokens after it are dropped). Returns the sequences that finished, their blocks freed."""
         self._progress(scheduled, output)
-        finished = [seq for seq, tokens in output.token_ids.items() if self._append(seq, tokens)]
+        # NOTE: a sequence that ended while its step ran (async scheduling: a stop string found in
+        # the step before) keeps what it had: the token sampled for it is dropped.
+        finished = [seq for seq, tokens in output.token_ids.items()
+                    if not seq.is_finished and self._append(seq, tokens)]
         for seq in finished:
             self.remove(seq)
         return finished
@@ -360,6 +366,8 @@ class SchedulerCore(SchedulerView):
     def _progress(self, scheduled: ScheduledStep, output: ModelOutput) -> None:
         drafts = scheduled.draft_tokens
         for seq, n in zip(scheduled.seqs, scheduled.num_new_tokens):
+            if seq.is_finished:  # ended while its step ran: its blocks are freed already
+                continue
             speculated = seq in drafts
             if speculated:
                 # KV stays valid for the last real token and the accepted drafts only.
@@ -447,3 +455,10 @@ class SchedulerCore(SchedulerView):
 def _accepts(matcher: GrammarMatcher, token: int) -> bool:
     with calling(matcher, "grammar_backend", "matcher.accept_token()"):
         return matcher.accept_token(token)
+
+
+def remote_kv(seq: Sequence) -> dict | None:
+    """Where a decode request says its prompt's KV is: its ``kv_transfer_params`` (vLLM's, in
+    ``extra_args``) when they ask for a remote prefill; None: the connector's configured store."""
+    remote = (seq.params.extra_args or {}).get("kv_transfer_params")
+    return remote if isinstance(remote, dict) and remote.get("do_remote_prefill") else None

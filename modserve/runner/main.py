@@ -19,7 +19,7 @@ from modserve.core.contracts.executor import WorkerSpec
 from modserve.core.registry import Registry
 from modserve.runner.build import build_runner, prepare_rank
 from modserve.runner.messages import Stop
-from modserve.runner.parallel import init_parallel
+from modserve.runner.parallel import collective_timeout, init_parallel
 
 
 def run_worker(spec: WorkerSpec) -> None:
@@ -28,7 +28,7 @@ def run_worker(spec: WorkerSpec) -> None:
     os.environ.update(spec.env)
     setup = prepare_rank(EngineConfig(**spec.config), plugin_registry(spec.plugins), spec.rank)
     tp, pp = init_parallel(spec.backend, spec.init_method, spec.rank, setup.config.tensor_parallel_size,
-                           setup.config.pipeline_parallel_size)
+                           setup.config.pipeline_parallel_size, timeout=collective_timeout(setup.config.step_timeout))
     try:
         runner = build_runner(setup, tp, pp)
         while not isinstance(message := tp.broadcast(), Stop):

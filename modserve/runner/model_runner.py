@@ -17,6 +17,7 @@ from modserve.core.config import EngineConfig
 from modserve.runner.sampling import (bad_word_bans, bad_word_rows, fill_token_bitmask, joined_bitmask,
                                       logit_bias_entries, token_rule_bitmask)
 from modserve.runner.forward_context import after_each_layer
+from modserve.runner.logits_processors import LogitsProcessors
 from modserve.core.contracts.attention_backend import AttentionMetadata, AttentionSpec
 from modserve.core.contracts.kv_connector import BlockTransfer, KVConnector, KVConnectorContext
 from modserve.core.contracts.platform import GraphSettings, ModelLoad, Platform, StepForward
@@ -130,6 +131,7 @@ class ModelRunner:
                              f"{config.attention_backend.name!r} cannot use it: {problem}")
         self.vocab_size = hf_config.vocab_size
         self.sampler = registry.create("sampler", config.sampler, self.vocab_size)
+        self.logits_processors = LogitsProcessors(registry, config, self.device, self.platform.pin_memory())
         self.model = self._load_model(registry, max_model_len, progress)
         self.lora: LoRASlots | None = None
         if config.enable_lora:
@@ -539,8 +541,13 @@ class ModelRunner:
             prompt = self._padded([s.prompt_token_ids for s in seqs])
             output = self._padded([s.output_token_ids for s in seqs])
         grammar = fill_token_bitmask(seqs, self.vocab_size, self.device)
+        processors = self.logits_processors
+        if processors:  # none configured: not a call more
+            processors.update(seqs)
         return dataclasses.replace(rows, prompt_token_ids=prompt, output_token_ids=output, banned_token_ids=banned,
-                                   allowed_token_bitmask=joined_bitmask(rows.allowed_token_bitmask, grammar))
+                                   allowed_token_bitmask=joined_bitmask(rows.allowed_token_bitmask, grammar),
+                                   logits_processors=processors.others,
+                                   argmax_invariant_processors=processors.argmax_invariant)
 
     def _row_settings(self, seqs: list[Sequence]) -> SamplingBatch:
         """The settings that stay with each sequence, as a SamplingBatch without this step's

@@ -18,7 +18,9 @@ import torch
 import torch.distributed as dist
 
 # A worker waits for the driver's next step on its metadata group for as long as the server
-# idles; a dead peer closes its sockets and fails the wait at once, not after this.
+# idles; a dead peer closes its sockets and fails the wait at once, not after this. The
+# model's collectives (inside a step) time out after the step deadline instead:
+# collective_timeout(), so a hung peer is an error rather than a wait of a year.
 IDLE_TIMEOUT = datetime.timedelta(days=365)
 JOIN_TIMEOUT = datetime.timedelta(minutes=10)  # workers import torch and the plugins before they join
 
@@ -142,21 +144,31 @@ class PipelineStage:
         return out
 
 
+def collective_timeout(step_timeout: float) -> datetime.timedelta:
+    """How long one collective of the model may wait for its peers: no longer than a whole step
+    may run (``step_timeout``, the engine's deadline)."""
+    return datetime.timedelta(seconds=step_timeout)
+
+
 def init_parallel(backend: str, init_method: str, rank: int, tp_size: int, pp_size: int = 1,
-                  failed: Callable[[], str | None] = lambda: None) -> tuple[TensorParallel, PipelineStage]:
+                  failed: Callable[[], str | None] = lambda: None,
+                  timeout: datetime.timedelta = IDLE_TIMEOUT) -> tuple[TensorParallel, PipelineStage]:
     """Join the ``tp_size x pp_size`` ranks (rank = stage x tp_size + tensor-parallel rank);
-    this rank's tensor-parallel group (its stage's ranks) and its stage."""
-    world = init_tensor_parallel(backend, init_method, rank, tp_size * pp_size, failed)
+    this rank's tensor-parallel group (its stage's ranks) and its stage. The model's
+    collectives and the stages' sends time out after ``timeout``; the step metadata's never."""
+    world = init_tensor_parallel(backend, init_method, rank, tp_size * pp_size, failed, timeout)
     if pp_size == 1:
         return world, PipelineStage()
-    groups = [dist.new_group(list(range(s * tp_size, (s + 1) * tp_size))) for s in range(pp_size)]  # all ranks, in order
+    groups = [dist.new_group(list(range(s * tp_size, (s + 1) * tp_size)), timeout=timeout)
+              for s in range(pp_size)]  # all ranks, in order
     stage = rank // tp_size
     tp = TensorParallel(rank % tp_size, tp_size, groups[stage], world.cpu_group, world.rank)
     return tp, PipelineStage(stage, pp_size, rank, tp_size)
 
 
 def init_tensor_parallel(backend: str, init_method: str, rank: int, size: int,
-                         failed: Callable[[], str | None] = lambda: None) -> TensorParallel:
+                         failed: Callable[[], str | None] = lambda: None,
+                         timeout: datetime.timedelta = IDLE_TIMEOUT) -> TensorParallel:
     """Join the group of ``size`` ranks whose rank 0 listens at ``init_method``
     (``tcp://host:port``). Rank 0 waits for the others, asking ``failed()`` (the executor's)
     every second, so a worker that dies before it joins fails the start instead of hanging it."""
@@ -174,7 +186,10 @@ def init_tensor_parallel(backend: str, init_method: str, rank: int, size: int,
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"tensor parallel: rank {other} did not join within {JOIN_TIMEOUT}")
                 time.sleep(0.05)
-    dist.init_process_group(backend, store=store, rank=rank, world_size=size, timeout=IDLE_TIMEOUT)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=size, timeout=timeout)
     group = dist.group.WORLD
-    cpu_group = group if backend == "gloo" else dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
+    # NOTE: a gloo group of its own even when the world is gloo: the next step's metadata may
+    # be waited for as long as the server idles, the model's collectives for ``timeout`` only.
+    cpu_group = group if timeout == IDLE_TIMEOUT and backend == "gloo" else \
+        dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
     return TensorParallel(rank, size, group, cpu_group)

@@ -20,7 +20,7 @@ from modserve.core.config import EngineConfig
 from modserve.core.contracts.executor import Executor, WorkerSpec
 from modserve.core.contracts.platform import Platform
 from modserve.runner.messages import Stop
-from modserve.runner.parallel import PipelineStage, TensorParallel, init_parallel
+from modserve.runner.parallel import PipelineStage, TensorParallel, collective_timeout, init_parallel
 from modserve.core.registry import Registry
 
 logger = logging.getLogger("modserve")
@@ -37,7 +37,7 @@ def start_ranks(config: EngineConfig, registry: Registry,
     if world == 1:
         return executor, TensorParallel(), PipelineStage()
     host = executor.rendezvous_host()
-    init_method = f"tcp://{host}:{_free_port(host)}"
+    init_method = f"tcp://{host}:{rendezvous_port(config, host)}"
     env = {k: v for k, v in os.environ.items() if k.startswith(ENV_PREFIXES)}
     specs = [WorkerSpec(config.model_dump(), rank, world, init_method, platform.distributed_backend,
                         registry.sources(), env) for rank in range(1, world)]
@@ -47,7 +47,7 @@ def start_ranks(config: EngineConfig, registry: Registry,
     try:
         executor.start(specs)
         tp, pp = init_parallel(platform.distributed_backend, init_method, 0, config.tensor_parallel_size,
-                               config.pipeline_parallel_size, executor.failed)
+                               config.pipeline_parallel_size, executor.failed, collective_timeout(config.step_timeout))
     except Exception:
         executor.shutdown()
         raise
@@ -96,6 +96,11 @@ def _send_stop(tp: TensorParallel) -> threading.Thread:
     if sender.is_alive():
         logger.warning("tensor parallel: a worker did not take the stop within %g s", STOP_SEND_TIMEOUT_S)
     return sender
+
+
+def rendezvous_port(config: EngineConfig, host: str) -> int:
+    """``master_port`` when configured (vLLM's name), else a port free on ``host`` now."""
+    return config.master_port if config.master_port is not None else _free_port(host)
 
 
 def _free_port(host: str) -> int:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from modserve.api import Sampler, SamplerOutput, SamplingBatch, add_logprobs, sample_rows
+from modserve.api import Sampler, SamplerOutput, SamplingBatch, add_logprobs, apply_processors, sample_rows
 
 _NEG_INF = float("-inf")
 # SamplingParams raises a smaller non-zero temperature to this (vLLM's floor); kept here too
@@ -88,7 +88,8 @@ class DefaultSampler(Sampler):
 
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         if (batch.all_greedy and batch.max_num_logprobs < 0 and batch.allowed_token_bitmask is None
-                and not batch.banned_token_ids and not batch.any_penalty and batch.logit_bias is None):
+                and not batch.banned_token_ids and not batch.any_penalty and batch.logit_bias is None
+                and not batch.logits_processors):
             return SamplerOutput(token_ids=logits.argmax(dim=-1))  # nothing to mask: no float32 copy
         # Logprobs are of the raw model distribution, before any processing.
         raw_logprobs = logits.float().log_softmax(dim=-1) if batch.max_num_logprobs >= 0 else None  # [B, V]
@@ -109,8 +110,8 @@ class DefaultSampler(Sampler):
         return self._shape(self._mask_and_penalise(logits, batch), batch).softmax(dim=-1)  # [B, V]
 
     def _mask_and_penalise(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-        """Token mask, banned tokens, logit bias, penalties (vLLM's order): greedy rows take the
-        argmax of this."""
+        """Token mask, banned tokens, logit bias, logits processors that may change the argmax,
+        penalties (vLLM's order): greedy rows take the argmax of this."""
         logits = logits.to(torch.float32, copy=True)  # [B, V]; ours to modify in place
         if batch.allowed_token_bitmask is not None:  # grammar, allowed_token_ids: before anything else
             apply_token_bitmask(logits, batch.allowed_token_bitmask)
@@ -122,6 +123,8 @@ class DefaultSampler(Sampler):
         if batch.logit_bias is not None:
             rows, ids, biases = batch.logit_bias  # [N] each; one entry per (row, token)
             logits[rows, ids] += biases
+        if batch.logits_processors:  # those that may change the argmax: greedy rows too
+            logits = apply_processors(logits, batch.logits_processors)
         if batch.any_penalty:
             logits = apply_penalties(logits, batch, self.vocab_size)
         return logits
@@ -131,6 +134,8 @@ class DefaultSampler(Sampler):
         temperature = batch.temperature.to(logits.dtype)
         # Greedy rows take the argmax anyway; 1.0 only keeps their maths finite.
         logits = logits / torch.where(temperature == 0, 1.0, temperature.clamp_min(_MIN_TEMPERATURE)).unsqueeze(1)
+        if batch.argmax_invariant_processors:  # vLLM's place for them: after temperature, before top-k/top-p
+            logits = apply_processors(logits, batch.argmax_invariant_processors)
         if batch.any_top_k or batch.any_top_p:
             logits = apply_top_k_top_p(logits, batch)
         if batch.any_min_p:

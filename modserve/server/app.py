@@ -30,6 +30,7 @@ from modserve.server.generate import add_generate_routes
 from modserve.server.metrics import ServerMetrics, server_metrics
 from modserve.server.vllm_metrics import VllmMetrics
 from modserve.server.lora import add_lora_routes, load_lora_modules, lora_cards
+from modserve.server.lora_resolve import lora_resolution
 from modserve.server.model_names import served_names
 from modserve.server.openapi import PROTECTED_PREFIXES, declare_errors
 from modserve.server.replicas import ReplicaSet
@@ -87,6 +88,7 @@ def create_app(engine: LLMEngine | Sequence[LLMEngine] | EngineClient, api_key: 
         generation_defaults=generation_defaults or GenerationDefaults.of(config),
         on_submit=metrics.request_started,
     )
+    state.resolve_lora = lora_resolution(state, config)  # lora_resolvers: bad names and options fail here
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:

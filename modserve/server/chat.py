@@ -17,6 +17,7 @@ from modserve.engine.preprocess import truncate_prompt
 from modserve.server.async_engine import EngineError
 from modserve.server.beam_search import beam_params, beam_search
 from modserve.server.chat_tokenizer import TemplateInputs
+from modserve.server.kv_transfer import kv_transfer
 from modserve.server.logprobs import TokenText, chat_logprobs, prompt_logprobs
 from modserve.server.protocol import (ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest,
                                       ChatCompletionResponse, ChatMessage, DeltaMessage, Usage, now)
@@ -52,7 +53,7 @@ class PreparedChat:
 async def prepare_chat(body: ChatCompletionRequest, state: ServerState) -> PreparedChat:
     """Every check, the prompt through the template, and the constraint compiled: what chat
     completions and the Responses API (responses.py) share before they submit."""
-    state.check_model(body.model)
+    await state.resolve_model(body.model)
     body.check()
     mode = tool_mode(body, state.parsers)  # before the sampling params: required and named add a constraint
     state.limits.check(body, 1)
@@ -82,6 +83,7 @@ async def create_chat_completion(body: ChatCompletionRequest, state: ServerState
     arrival = arrival_time()
     chat = await prepare_chat(body, state)
     response_id = new_id("chatcmpl")
+    kv = await kv_transfer(body, state, chat.params, response_id)
     if body.use_beam_search:  # not streamed, no logprobs (the request's check refused them)
         refuse_lora_beams(state.check_model(body.model))
         search = beam_params(body, chat.params, [len(chat.prompt)], state)
@@ -94,11 +96,12 @@ async def create_chat_completion(body: ChatCompletionRequest, state: ServerState
         return StreamingResponse(events, media_type="text/event-stream", background=BackgroundTask(stream.close))
     outputs = await final_outputs(stream, request)
     return await state.json_response(
-        lambda token_text: _response(body, state, outputs, response_id, token_text, chat.mode, chat.thinking))
+        lambda token_text: _response(body, state, outputs, response_id, token_text, chat.mode, chat.thinking, kv))
 
 
 def _response(body: ChatCompletionRequest, state: ServerState, outputs: list[RequestOutput],
-              response_id: str, token_text: TokenText, mode: str, thinking: bool) -> ChatCompletionResponse:
+              response_id: str, token_text: TokenText, mode: str, thinking: bool,
+              kv: dict | None = None) -> ChatCompletionResponse:
     choices = []
     for out in outputs:
         for c in out.outputs:
@@ -111,7 +114,8 @@ def _response(body: ChatCompletionRequest, state: ServerState, outputs: list[Req
     if body.prompt_logprobs is not None and outputs and outputs[0].prompt_logprobs is not None:
         scored = prompt_logprobs(outputs[0].prompt_logprobs, token_text, body.prompt_logprobs)
     return ChatCompletionResponse(id=response_id, model=state.answer_model(body.model), choices=choices,
-                                  usage=Usage.of(*usage_counts(outputs)), prompt_logprobs=scored)
+                                  usage=Usage.of(*usage_counts(outputs)), prompt_logprobs=scored,
+                                  kv_transfer_params=kv)
 
 
 async def _stream(body: ChatCompletionRequest, state: ServerState, stream: OutputStream, response_id: str,

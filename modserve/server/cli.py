@@ -14,6 +14,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger("modserve.server")
 
 DEFAULT_HOST, DEFAULT_PORT = "127.0.0.1", 8000
+DP_ADDRESS, DP_RPC_PORT = "127.0.0.1", 29550  # vLLM's defaults of --data-parallel-address, -rpc-port
 # vLLM's flags that size the KV cache: with one given, the demo model keeps the user's size.
 
 
@@ -50,6 +51,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
         logger.warning("grammar_compile_isolation=%s is for offline use: the server compiles grammars in "
                        "worker processes", config.grammar_compile_isolation)
         config = config.model_copy(update={"grammar_compile_isolation": "process"})
+    if getattr(args, "vllm_headless", None):  # this machine's engine cores only (server/headless.py)
+        from modserve.server.headless import run_headless
+
+        size_local, start_rank, address, rpc_port = dp_layout(args, config)
+        return run_headless(config, size_local, start_rank, address, rpc_port)
     host, port = args.host or DEFAULT_HOST, int(args.port or DEFAULT_PORT)
     api_key = args.api_key or env_api_key()
     if args.host is None:
@@ -73,6 +79,7 @@ def engine_client(config: EngineConfig, args: argparse.Namespace) -> EngineClien
     from modserve.engine.engine import LLMEngine
     from modserve.server.async_engine import AsyncEngine
     from modserve.server.engine_process import start_engine_processes
+    from modserve.server.remote_cores import RemoteRanks
     from modserve.server.replicas import ReplicaSet, replica_configs
 
     configs, first = replica_configs(config), 0
@@ -82,6 +89,17 @@ def engine_client(config: EngineConfig, args: argparse.Namespace) -> EngineClien
             raise SystemExit(f"--data-parallel-rank {rank} is not a rank of --data-parallel-size "
                              f"{config.data_parallel_size}")
         configs, first = [configs[rank]], rank
+    size_local, start_rank, address, rpc_port = dp_layout(args, config)
+    remote = None
+    if size_local < config.data_parallel_size and rank is None:  # the other ranks join from --headless nodes
+        if start_rank != 0 or getattr(args, "vllm_disable_frontend_multiprocessing", None):
+            raise SystemExit("--data-parallel-size-local below --data-parallel-size: the API server's node holds "
+                             "ranks from 0 (--data-parallel-start-rank is for --headless nodes) in engine-core "
+                             "processes (not --disable-frontend-multiprocessing)")
+        from modserve.server.headless import node_configs
+
+        remote = RemoteRanks(size_local, address, rpc_port, config)
+        configs = node_configs(config, 0, size_local) + configs[size_local:]  # this machine's memory: its ranks'
     if getattr(args, "vllm_disable_frontend_multiprocessing", None):
         engines: list[Any] = []
         try:
@@ -92,10 +110,20 @@ def engine_client(config: EngineConfig, args: argparse.Namespace) -> EngineClien
                 e.shutdown()
             raise
     else:
-        engines = start_engine_processes(configs, first_rank=first)
+        engines = start_engine_processes(configs, first_rank=first, remote=remote)
     if len(engines) > 1:
         return ReplicaSet(engines)
     return engines[0] if not isinstance(engines[0], LLMEngine) else AsyncEngine(engines[0])
+
+
+def dp_layout(args: argparse.Namespace, config: EngineConfig) -> tuple[int, int, str, int]:
+    """vLLM's multi-node data parallel flags, defaulted as vLLM does: (ranks on this machine, the
+    first of them, the API server's address, the handshake's port)."""
+    size_local = getattr(args, "vllm_data_parallel_size_local", None)
+    return (config.data_parallel_size if size_local is None else size_local,
+            getattr(args, "vllm_data_parallel_start_rank", None) or 0,
+            getattr(args, "vllm_data_parallel_address", None) or DP_ADDRESS,
+            getattr(args, "vllm_data_parallel_rpc_port", None) or DP_RPC_PORT)
 
 
 def env_api_key() -> str | None:

@@ -13,6 +13,7 @@ from modserve.engine.client import OutputStream
 from modserve.engine.preprocess import truncate_prompt
 from modserve.server.async_engine import EngineError
 from modserve.server.beam_search import beam_params, beam_search
+from modserve.server.kv_transfer import kv_transfer
 from modserve.server.logprobs import TokenText, completion_logprobs, echo_logprobs, prompt_logprobs
 from modserve.server.protocol import (CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse,
                                       PromptLogprobs, Usage)
@@ -23,7 +24,7 @@ from modserve.server.serving import (SSE_DONE, Piece, ServerState, StreamTally, 
 
 async def create_completion(body: CompletionRequest, state: ServerState, request: Request) -> Response:
     arrival = arrival_time()
-    lora = state.check_model(body.model)
+    lora = await state.resolve_model(body.model)
     body.check()
     texts = body.prompts()
     state.limits.check(body, len(texts))
@@ -44,6 +45,7 @@ async def create_completion(body: CompletionRequest, state: ServerState, request
     await state.compile_grammar(params, body.constraint_param)
     echoes = [await state.decode(ids) for ids in prompts] if body.echo else None
     response_id = new_id("cmpl")
+    kv = await kv_transfer(body, state, params, response_id)
     if body.use_beam_search:  # no stream, no echo, no logprobs (the request's check refused them)
         refuse_lora_beams(lora)
         search = beam_params(body, params, list(map(len, prompts)), state)
@@ -56,11 +58,11 @@ async def create_completion(body: CompletionRequest, state: ServerState, request
         return StreamingResponse(events, media_type="text/event-stream", background=BackgroundTask(stream.close))
     outputs = await final_outputs(stream, request)
     return await state.json_response(lambda token_text: _response(body, state, outputs, response_id, echoes,
-                                                                  token_text))
+                                                                  token_text, kv))
 
 
 def _response(body: CompletionRequest, state: ServerState, outputs: list[RequestOutput], response_id: str,
-              echoes: list[str] | None, token_text: TokenText) -> CompletionResponse:
+              echoes: list[str] | None, token_text: TokenText, kv: dict | None = None) -> CompletionResponse:
     choices = []
     for i, out in enumerate(outputs):
         prefix = echoes[i] if echoes else ""
@@ -75,7 +77,7 @@ def _response(body: CompletionRequest, state: ServerState, outputs: list[Request
                                             finish_reason=c.finish_reason, stop_reason=c.stop_reason,
                                             prompt_logprobs=scored))
     return CompletionResponse(id=response_id, model=state.answer_model(body.model), choices=choices,
-                              usage=Usage.of(*usage_counts(outputs)))
+                              usage=Usage.of(*usage_counts(outputs)), kv_transfer_params=kv)
 
 
 def _prompt_part(body: CompletionRequest, token_text: TokenText,

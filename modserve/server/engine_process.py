@@ -28,7 +28,7 @@ from collections import deque
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from itertools import count
-from typing import Any, Callable
+from typing import Any, Callable, Protocol
 
 import msgspec
 import zmq
@@ -58,7 +58,7 @@ class CoreLaunch:
     """One started core process and the sockets to it, before its engine is built."""
 
     dp_rank: int
-    proc: subprocess.Popen
+    proc: subprocess.Popen  # or, for a core on another machine, a RemoteProc (server/remote_cores.py)
     context: zmq.Context
     inbox: zmq.Socket
     outbox: zmq.Socket
@@ -68,14 +68,25 @@ class CoreLaunch:
 
     def send(self, message: msgspec.Struct) -> None:
         with self.lock:
-            self.inbox.send(p.encode(message))
+            if self.inbox.closed:  # a killed remote core, which reads nothing more
+                return
+            try:
+                # NOTE: PUSH blocks, HWM or not, once its one peer is gone: never on the event loop.
+                self.inbox.send(p.encode(message), zmq.NOBLOCK)
+            except zmq.Again:  # the core's connection closed: the watchdog is about to declare it dead
+                pass
+
+    def ended(self) -> str | None:
+        """How the core's process ended, or None while it runs."""
+        code = self.proc.poll()
+        return None if code is None else getattr(self.proc, "how_ended", "") or f"exited with code {code}"
 
     def wait_for(self, kinds: tuple[type, ...], what: str) -> Any:
         """The next message on the outbox (one of ``kinds``, or Failed raised), while the process lives."""
         started = last_log = time.monotonic()
         while not self.outbox.poll(READ_POLL_MS):
-            if (code := self.proc.poll()) is not None:
-                raise EngineStartError(f"engine core {self.dp_rank} (pid {self.proc.pid}) exited with code {code} "
+            if (ended := self.ended()) is not None:
+                raise EngineStartError(f"engine core {self.dp_rank} (pid {self.proc.pid}) {ended} "
                                        f"while {what} (its log above says why)")
             if time.monotonic() - last_log > BUILD_LOG_EVERY_S:
                 last_log = time.monotonic()
@@ -88,8 +99,13 @@ class CoreLaunch:
         return message
 
     def kill(self) -> None:
-        """SIGKILL the core's process group (its workers too), then reap it."""
-        if self.proc.poll() is None:
+        """SIGKILL the core's process group (its workers too), then reap it. A remote core's inbox
+        is closed instead: the core ends itself once its connection drops."""
+        if not isinstance(self.proc, subprocess.Popen):
+            self.proc.kill()
+            with self.lock:
+                self.inbox.close(linger=0)
+        elif self.proc.poll() is None:
             try:
                 os.killpg(self.proc.pid, signal.SIGKILL)
             except ProcessLookupError:
@@ -99,6 +115,8 @@ class CoreLaunch:
     def close(self) -> None:
         for sock in (self.inbox, self.outbox, self.beats):
             sock.close(linger=0)
+        if not isinstance(self.proc, subprocess.Popen):
+            self.proc.close()
         self.context.term()
         shutil.rmtree(self.run_dir, ignore_errors=True)
 
@@ -114,6 +132,11 @@ def launch_core(config: EngineConfig, dp_rank: int) -> CoreLaunch:
         addresses[name] = f"ipc://{run_dir}/{name}"
         sock.bind(addresses[name])
     spec = LaunchSpec(config.model_dump_json(), dp_rank, parent_pid=os.getpid(), **addresses)
+    return CoreLaunch(dp_rank, spawn_core(spec), context, inbox, outbox, beats, run_dir)
+
+
+def spawn_core(spec: LaunchSpec) -> subprocess.Popen:
+    """``python -m modserve.engine.core_process`` with ``spec`` on its stdin."""
     # NOTE: OpenMP's wait policy is left at its default: OMP_WAIT_POLICY=PASSIVE made each op's
     # wake-up slower than the cores it left to the API server were worth (docs/server.md).
     env = dict(os.environ)
@@ -124,21 +147,39 @@ def launch_core(config: EngineConfig, dp_rank: int) -> CoreLaunch:
                             env=env, start_new_session=True)
     proc.stdin.write(msgspec.json.encode(spec))  # type: ignore[union-attr]
     proc.stdin.close()  # type: ignore[union-attr]
-    return CoreLaunch(dp_rank, proc, context, inbox, outbox, beats, run_dir)
+    return proc
+
+
+class RemoteRanks(Protocol):
+    """The ranks past the first ``num_local`` run on other machines (``--headless``); ``join``
+    binds their sockets and waits until each joined (server/remote_cores.py)."""
+
+    num_local: int
+
+    def join(self, ranks: range) -> list[CoreLaunch]: ...
 
 
 def start_engine_processes(configs: list[EngineConfig], observer: RequestObserver | None = None,
-                           first_rank: int = 0) -> list[EngineProcess]:
+                           first_rank: int = 0, remote: RemoteRanks | None = None) -> list[EngineProcess]:
     """One engine-core process per config (data-parallel ranks ``first_rank`` on), each Ready; if
-    one fails, every one started is killed and EngineStartError says why."""
-    launches = [launch_core(c, i) for i, c in enumerate(configs, first_rank)]
+    one fails, every one started is killed and EngineStartError says why. With ``remote``, the
+    ranks past its ``num_local`` are started on their machines and join here first."""
+    num_local = len(configs) if remote is None else remote.num_local
+    launches = [launch_core(c, i) for i, c in enumerate(configs[:num_local], first_rank)]
     engines: list[EngineProcess] = []
     try:
+        if remote is not None:
+            launches += remote.join(range(first_rank + num_local, first_rank + len(configs)))
         for launch in launches:
-            launch.wait_for((p.Hello,), "starting")
-        for config, launch in zip(configs, launches):
-            logger.info("engine core %d (pid %d): building the engine", launch.dp_rank, launch.proc.pid)
-            launch.send(p.Start())
+            hello = launch.wait_for((p.Hello,), "starting")
+            if not isinstance(launch.proc, subprocess.Popen):
+                launch.proc.pid = hello.pid  # its own machine's
+        # This machine's cores build one after the other; other machines' (their own memory) at once.
+        for launch in launches[:min(1, num_local)] + launches[num_local:]:
+            _start(launch)
+        for i, (config, launch) in enumerate(zip(configs, launches)):
+            if 0 < i < num_local:
+                _start(launch)
             ready = launch.wait_for((p.Ready,), "building its engine")
             prefix = f"r{launch.dp_rank}-" if len(configs) > 1 else ""
             engines.append(EngineProcess(config, launch, ready, observer, prefix))
@@ -148,6 +189,11 @@ def start_engine_processes(configs: list[EngineConfig], observer: RequestObserve
             launch.close()
         raise
     return engines
+
+
+def _start(launch: CoreLaunch) -> None:
+    logger.info("engine core %d (pid %d): building the engine", launch.dp_rank, launch.proc.pid)
+    launch.send(p.Start())
 
 
 class EngineProcess(EngineFrontend):
@@ -311,8 +357,8 @@ class EngineProcess(EngineFrontend):
         if self._closing.is_set():
             return None
         core = f"engine core {self.launch.dp_rank} (pid {self.pid})"
-        if (code := self.launch.proc.poll()) is not None:
-            return f"{core} exited with code {code}"
+        if (ended := self.launch.ended()) is not None:
+            return f"{core} {ended}"
         silent = time.monotonic() - self.last_beat
         if silent > self.step_timeout:
             return f"{core} sent no heartbeat for {silent:.1f} s (step_timeout={self.step_timeout:g} s): stopped or hung"

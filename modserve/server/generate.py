@@ -169,7 +169,7 @@ def _under(prefix: str) -> Iterator[None]:
 
 async def create_generate(body: GenerateRequest, state: ServerState, request: Request) -> Response:
     arrival = arrival_time()
-    lora = state.check_model(body.model)
+    lora = await state.resolve_model(body.model)
     body.check()
     sp = body.sampling_params
     with _under("sampling_params"):

@@ -39,10 +39,11 @@ def runtime_updates_allowed() -> bool:
 async def load_lora_modules(state: ServerState) -> None:
     """The adapters of ``lora_modules``, checked and cached by the engine before the server takes requests."""
     for module in state.engine.config.lora_modules:
-        await _add(state, module.name, module.path, module.base_model_name)
+        await add_adapter(state, module.name, module.path, module.base_model_name)
 
 
-async def _add(state: ServerState, name: str, path: str, base_model_name: str | None = None) -> LoRARequest:
+async def add_adapter(state: ServerState, name: str, path: str, base_model_name: str | None = None) -> LoRARequest:
+    """Adapter ``name`` checked and cached by the engine, then served (a 400 naming what is wrong)."""
     if name == state.model_name or name in state.model_aliases:
         raise invalid("lora_name", f"{name!r} is the base model's name")
     ids = itertools.count(1)  # the lowest id no adapter holds: ids stay small as adapters come and go
@@ -74,7 +75,7 @@ def add_lora_routes(app: FastAPI, state: ServerState) -> None:
         old = state.loras.pop(body.lora_name, None)
         if old is not None:  # load_inplace: the new weights under the same name
             await state.engine.call_utility("remove_lora", old.lora_int_id)
-        await _add(state, body.lora_name, body.lora_path)
+        await add_adapter(state, body.lora_name, body.lora_path)
         return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully.")
 
     @app.post("/v1/unload_lora_adapter")

@@ -17,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from modserve.beam_search import MAX_LENGTH_PENALTY
 from modserve.core.sampling_params import INT64_MAX, INT64_MIN, SamplingParams
 from modserve.server.errors import invalid
+from modserve.server.kv_transfer import KVTransferParams
 from modserve.server.structured_outputs import ConstraintFields
 
 _omit_none = dict(exclude_if=lambda v: v is None)
@@ -24,6 +25,8 @@ Int64 = Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX)]
 TokenId = Annotated[int, Field(ge=0, le=INT64_MAX)]
 # How many logprobs per token: bounded by the server's max_logprobs (request_limits.py).
 NumLogprobs = Annotated[int, Field(ge=0)]
+# A value of vllm_xargs (vLLM's types, and a bool).
+XArg = str | bool | int | float
 
 
 class Strict(BaseModel):
@@ -108,9 +111,18 @@ class SamplingRequest(TextChecked, ConstraintFields):
     use_beam_search: bool = False  # vLLM's: n is the beam width (server/beam_search.py)
     # beam search's: a beam ranks by cum_logprob / length ** length_penalty (bounded: the power stays finite)
     length_penalty: float = Field(1.0, ge=-MAX_LENGTH_PENALTY, le=MAX_LENGTH_PENALTY)
+    # vLLM's: the request's arguments for the server's logits processors (its SamplingParams.extra_args);
+    # JSON scalars and lists of them, at most max_vllm_xargs_bytes (request_limits.py)
+    vllm_xargs: dict[str, XArg | list[XArg]] | None = None
+    logits_processors: Any = None  # vLLM v0's per-request processors: refused in check(), as vLLM v1 does
+    kv_transfer_params: KVTransferParams | None = None  # vLLM's disaggregation (server/kv_transfer.py)
 
     def check(self) -> None:
         """Checks across fields; each names the field at fault."""
+        if self.logits_processors is not None:
+            raise invalid("logits_processors", "per-request logits processors are not supported (vLLM v1 refuses "
+                          "them too): start the server with --logits-processors and send a request's "
+                          "arguments in vllm_xargs")
         if self.stream_options is not None and not self.stream:
             raise invalid("stream_options", "only allowed when stream is true")
         if self.prompt_logprobs is not None and self.stream:
@@ -171,6 +183,7 @@ class SamplingRequest(TextChecked, ConstraintFields):
                 structured_outputs=self.constraint,
                 logit_bias=self.token_logit_bias(), allowed_token_ids=self.allowed_token_ids,
                 bad_words=self.bad_words, truncate_prompt_tokens=self.truncate_prompt_tokens,
+                extra_args=self.vllm_xargs,
             )
         except ValueError as e:  # SamplingParams' messages start with the field's name
             raise invalid(str(e).split(" ", 1)[0], str(e).split(" ", 1)[-1]) from None
@@ -422,6 +435,7 @@ class CompletionResponse(BaseModel):
     choices: list[CompletionChoice]
     usage: Usage | None = None
     system_fingerprint: str | None = None
+    kv_transfer_params: dict[str, Any] | None = Field(None, **_omit_none)  # vLLM's: a prefill's, for the decode
 
 
 class TopLogprob(BaseModel):
@@ -485,6 +499,7 @@ class ChatCompletionResponse(BaseModel):
     usage: Usage
     system_fingerprint: str | None = None
     prompt_logprobs: PromptLogprobs | None = Field(None, **_omit_none)  # vLLM's extra
+    kv_transfer_params: dict[str, Any] | None = Field(None, **_omit_none)  # vLLM's: a prefill's, for the decode
 
 
 class DeltaMessage(BaseModel):

@@ -50,6 +50,8 @@ def replica_config(config: EngineConfig, index: int) -> EngineConfig:
     n = config.data_parallel_size
     replica = config.model_copy(deep=True)
     replica.seed = config.seed + index
+    if config.master_port is not None:  # each replica's ranks rendezvous on a port of their own
+        replica.master_port = config.master_port + index
     if spreads_over_devices(config):
         if config.tensor_parallel_size > 1:
             raise ValueError("data_parallel_size > 1 with tensor_parallel_size > 1 on device cuda needs each "
@@ -156,10 +158,12 @@ class Router:
         self.indexes = [PrefixIndex(c) for c in self.capacities]
         self.routed = [{"prefix": 0, "load": 0} for _ in self.capacities]
 
-    def choose(self, token_ids: Sequence[int], loads: Mapping[int, int]) -> Route:
+    def choose(self, token_ids: Sequence[int], loads: Mapping[int, int], salt: bytes = b"") -> Route:
         """The replica for a prompt, among ``loads``' keys (the live replicas: their requests in
-        flight); the prompt's blocks are then recorded in that replica's index."""
-        hashes = block_keys(token_ids, self.block_size)
+        flight); the prompt's blocks are then recorded in that replica's index. ``salt``: its LoRA
+        adapter's (``LoRARequest.cache_salt``), as the engines key its blocks: no adapter's
+        prompt matches another's KV."""
+        hashes = block_keys(token_ids, self.block_size, salt=salt)
         least = min(loads, key=lambda i: (loads[i], i))
         route = Route(least, "load", self._matched(least, hashes))
         if self.routing == "prefix" and hashes:
@@ -284,7 +288,7 @@ class ReplicaSet(EngineClient):
             raise EngineDead("no engine replica is running")
         groups: dict[int, list[int]] = {}
         for pos, token_ids in enumerate(prompts):
-            route = self.router.choose(token_ids, loads)
+            route = self.router.choose(token_ids, loads, b"" if lora_request is None else lora_request.cache_salt)
             loads[route.replica] += 1
             groups.setdefault(route.replica, []).append(pos)
         if len(groups) <= 1:

@@ -8,6 +8,7 @@ tokenized or queued, and each 400 names the config key that bounds it.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -33,6 +34,7 @@ class RequestLimits:
     max_logprobs: int
     max_bad_words: int
     max_bad_words_chars: int
+    max_vllm_xargs_bytes: int = 4096
 
     @classmethod
     def of(cls, config: EngineConfig) -> RequestLimits:
@@ -41,7 +43,8 @@ class RequestLimits:
             or DEFAULT_BATCHES_PER_REQUEST * config.max_num_seqs,
             max_stop_strings=config.max_stop_strings, max_stop_chars=config.max_stop_chars,
             max_stop_token_ids=config.max_stop_token_ids, max_logprobs=config.max_logprobs,
-            max_bad_words=config.max_bad_words, max_bad_words_chars=config.max_bad_words_chars)
+            max_bad_words=config.max_bad_words, max_bad_words_chars=config.max_bad_words_chars,
+            max_vllm_xargs_bytes=config.max_vllm_xargs_bytes)
 
     def check(self, body: SamplingRequest, num_prompts: int) -> None:
         """A 400 naming the field and the limit for the first bound ``body`` is over."""
@@ -65,6 +68,12 @@ class RequestLimits:
             if type(value) is int and value > self.max_logprobs:
                 raise invalid(name, f"asks for {value} logprobs per token, over max_logprobs={self.max_logprobs}")
         self._check_bad_words(body.bad_words or [])
+        # every logits processor reads them on each batch change (generate's params have none)
+        if xargs := getattr(body, "vllm_xargs", None):
+            size = len(json.dumps(xargs))
+            if size > self.max_vllm_xargs_bytes:
+                raise invalid("vllm_xargs", f"is {size} bytes of JSON, over max_vllm_xargs_bytes="
+                              f"{self.max_vllm_xargs_bytes}")
 
     def _check_bad_words(self, words: list[str]) -> None:
         # Each word is tokenized twice per request, and a word of several tokens checked on every step.

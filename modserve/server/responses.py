@@ -53,7 +53,7 @@ def add_response_routes(app: FastAPI, state: ServerState, max_stored: int) -> No
 async def create_response(body: ResponsesRequest, state: ServerState, store: ResponseStore,
                           request: Request) -> Response:
     arrival = arrival_time()
-    state.check_model(body.model)
+    await state.resolve_model(body.model)
     body.check()
     history = store.get(body.previous_response_id, "previous_response_id").conversation \
         if body.previous_response_id is not None else []

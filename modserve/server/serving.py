@@ -6,7 +6,7 @@ import asyncio
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Callable, Iterator
+from typing import Any, AsyncIterator, Awaitable, Callable, Iterator
 
 import pydantic_core
 from fastapi import Request
@@ -81,6 +81,8 @@ class ServerState:
     model_aliases: tuple[str, ...] = ()  # more names requests may use (served_model_name's others)
     hidden_aliases: tuple[str, ...] = ()  # accepted, never listed: the model's local path (model_names.py)
     loras: dict[str, LoRARequest] = field(default_factory=dict)  # adapter name -> adapter (enable_lora)
+    # Loads an adapter a request names but nobody loaded, where lora_resolvers find it (lora_resolve.py)
+    resolve_lora: Callable[[str], Awaitable[None]] | None = None
     draining: bool = False  # set on SIGTERM: new requests get 503, those in flight finish
     token_strings: dict[int, str] = field(default_factory=dict)
     # No token is longer than this many characters: a text over max_model_len times it
@@ -106,6 +108,13 @@ class ServerState:
             raise APIError(404, f"The model `{name}` does not exist. This server serves `{self.model_name}`.",
                            param="model", code="model_not_found")
         return None
+
+    async def resolve_model(self, name: str | None) -> LoRARequest | None:
+        """:meth:`check_model`, once the LoRA resolvers have looked for a name not served yet."""
+        if name is not None and self.resolve_lora is not None and name not in self.loras \
+                and name not in (self.model_name, *self.model_aliases, *self.hidden_aliases):
+            await self.resolve_lora(name)
+        return self.check_model(name)
 
     def answer_model(self, name: str | None) -> str:
         """The ``model`` an answer reports: the adapter a request named (as vLLM's), else the served name."""
@@ -151,6 +160,8 @@ class ServerState:
             self.engine.limits.validate_params(params)
         except ValueError as e:  # the messages start with the field's name
             field_name, _, why = str(e).partition(" ")
+            if field_name.partition(".")[0] == "extra_args":  # a logits processor's: the request's vllm_xargs
+                field_name = "vllm_xargs" + field_name.removeprefix("extra_args")
             raise invalid(field_name, why) from None
 
     def check_context(self, params: SamplingParams, prompt_len: int, param: str,

@@ -49,17 +49,18 @@ typedef int32_t i8 __attribute__((vector_size(32)));
 
 inline void store8(float* p, v8 v) { std::memcpy(p, &v, sizeof v); }
 
-// e^x for eight floats: x = n ln2 + r with |r| <= ln2 / 2, e^r by its Taylor series to
-// r^7 / 7! (relative error below 2e-7 there), times 2^n built in the exponent bits.
+// e^x lane by lane, for a vector of any width: x = n ln2 + r with |r| <= ln2 / 2, e^r by its
+// Taylor series to r^7 / 7! (relative error below 2e-7 there), times 2^n built in the exponent bits.
 // Inputs below -87 (where 2^n would be subnormal) give e^-87, about 1.6e-38.
-inline v8 exp8(v8 x) {
-  const v8 lo = v8{} - 87.0f, hi = v8{} + 88.0f;
+template <class V, class I>  // V: a vector of floats, I: of int32s, as many lanes
+inline V exp_lanes(V x) {
+  const V lo = V{} - 87.0f, hi = V{} + 88.0f;
   x = x < lo ? lo : x;
   x = x > hi ? hi : x;
-  const v8 magic = v8{} + 12582912.0f;  // 1.5 * 2^23: adding it rounds to an integer
-  const v8 n = (x * 1.44269504088896341f + magic) - magic;
-  const v8 r = (x - n * 0.693145751953125f) - n * 1.42860682030941723e-6f;  // ln2 in two parts
-  v8 p = v8{} + 1.0f / 5040;
+  const V magic = V{} + 12582912.0f;  // 1.5 * 2^23: adding it rounds to an integer
+  const V n = (x * 1.44269504088896341f + magic) - magic;
+  const V r = (x - n * 0.693145751953125f) - n * 1.42860682030941723e-6f;  // ln2 in two parts
+  V p = V{} + 1.0f / 5040;
   p = p * r + 1.0f / 720;
   p = p * r + 1.0f / 120;
   p = p * r + 1.0f / 24;
@@ -67,10 +68,12 @@ inline v8 exp8(v8 x) {
   p = p * r + 0.5f;
   p = p * r + 1.0f;
   p = p * r + 1.0f;
-  const i8 bits = (__builtin_convertvector(n, i8) + 127) << 23;
-  v8 scale;
+  const I bits = (__builtin_convertvector(n, I) + 127) << 23;
+  V scale;
   std::memcpy(&scale, &bits, sizeof scale);
   return p * scale;
 }
+
+inline v8 exp8(v8 x) { return exp_lanes<v8, i8>(x); }
 
 }  // namespace modserve

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 from pydantic import BaseModel
@@ -36,6 +36,9 @@ class BlockTransfer:
 
     key: str  # its content: a hash chained over the prompt's tokens up to the block's end
     block_id: int  # where it is in this engine's cache
+    # A load's: where its request says the block is (vLLM's ``kv_transfer_params`` of a decode
+    # request, checked by the server); None: the connector's configured store.
+    remote: dict[str, Any] | None = None
 
 
 class KVConnector(ABC):
@@ -63,6 +66,18 @@ class KVConnector(ABC):
     @abstractmethod
     def stored_blocks(self, keys: list[str]) -> int:
         """How many leading blocks of this key chain every rank could load now."""
+
+    def stored_blocks_from(self, keys: list[str], remote: dict[str, Any]) -> int:
+        """``stored_blocks`` for a request that names where its blocks are (``remote``: its
+        ``kv_transfer_params``, e.g. a producer's address). Default: a store found by content
+        alone ignores it."""
+        return self.stored_blocks(keys)
+
+    def transfer_params(self) -> dict[str, Any] | None:
+        """What a producer's response tells a consumer's request (vLLM's ``kv_transfer_params``
+        of a prefill response, e.g. this producer's address), or None: a consumer needs nothing
+        more to find the blocks (a shared store)."""
+        return None
 
     # -- worker side (every rank) -------------------------------------------------------
     def register_kv_caches(self, kv_caches: list[torch.Tensor]) -> None:

@@ -10,6 +10,8 @@ from dataclasses import dataclass
 import torch
 from pydantic import BaseModel
 
+from modserve.core.contracts.logits_processor import LogitsProcessor
+
 
 @dataclass(slots=True)
 class SamplingBatch:
@@ -39,6 +41,12 @@ class SamplingBatch:
     allowed_token_bitmask: torch.Tensor | None = None
     # logits[rows, ids] += biases, each [N] (int64, int64, float32), one per (row, token); None when no row has one
     logit_bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    # The engine's logits processors (config logits_processors), their state already updated for these rows,
+    # split by is_argmax_invariant(). vLLM's places: ``logits_processors`` after logit_bias and before
+    # penalties, for every row (greedy ones too); ``argmax_invariant_processors`` after temperature and
+    # before top-k/top-p, skipped when every row is greedy. Empty without processors.
+    logits_processors: tuple[LogitsProcessor, ...] = ()
+    argmax_invariant_processors: tuple[LogitsProcessor, ...] = ()
 
 
 @dataclass(slots=True)
@@ -58,6 +66,7 @@ class Sampler(ABC):
     the same tokens whatever else is in the batch. Logprobs are of the model's
     raw distribution (log_softmax of the unprocessed logits). With an
     ``allowed_token_bitmask``, a row samples only tokens whose bit is set; ``logit_bias`` is added before penalties.
+    The batch's logits processors run where SamplingBatch says (``apply_processors``).
     """
 
     def __init__(self, vocab_size: int, options: BaseModel | None = None) -> None:

@@ -46,16 +46,21 @@ class RadixAllocator(RefCountedAllocator):
     Eviction takes one block at a time from the tail of the least recently used unlocked
     leaf (a heap keyed by last access, lazily invalidated), so a prefix outlives its
     extensions and no more is evicted than asked for.
+    One tree per LoRA adapter (``seq.cache_salt``; ``root`` is the base model's): two adapters'
+    KV differs for the same tokens, so a sequence matches and publishes in its adapter's tree
+    only. A root is a node without parent; an adapter's empty tree is dropped.
     """
 
     reports_events = True
+    keys_by_adapter = True
 
     def __init__(self, num_blocks: int, block_size: int, max_model_len: int,
                  options: RadixOptions | None = None) -> None:
         super().__init__(num_blocks, block_size, max_model_len, options)
         self.caching = (options or RadixOptions()).enable_prefix_caching
         self.free_plain: deque[int] = deque(range(num_blocks))  # not in the tree: reuse first
-        self.root = RadixNode(None, (), [], 0)
+        self.root = RadixNode(None, (), [], 0)  # the base model's tree
+        self.roots: dict[bytes, RadixNode] = {b"": self.root}  # seq.cache_salt -> its tree
         self.block_node: dict[int, RadixNode] = {}  # tree block -> its node
         self.evictable = 0  # tree blocks in unlocked nodes
         self.heap: list[tuple[int, int, RadixNode]] = []  # (last access, tiebreak, leaf)
@@ -102,8 +107,16 @@ class RadixAllocator(RefCountedAllocator):
     def _key(self, tokens: list[int] | tuple[int, ...], i: int) -> tuple[int, ...]:
         return tuple(tokens[i * self.block_size:(i + 1) * self.block_size])
 
+    def _tree(self, seq: Sequence) -> RadixNode:
+        """The root of ``seq``'s adapter's tree (made empty if it has none)."""
+        return self.roots.setdefault(seq.cache_salt, RadixNode(None, (), [], 0))
+
+    def _drop_if_empty(self, root: RadixNode) -> None:
+        if root is not self.root and not root.children:
+            self.roots = {salt: r for salt, r in self.roots.items() if r is not root}
+
     def _lock(self, node: RadixNode | None, delta: int) -> None:
-        while node is not None and node is not self.root:
+        while node is not None and node.parent is not None:
             if delta > 0 and node.lock_ref == 0:
                 self.evictable -= len(node.blocks)
             node.lock_ref += delta
@@ -116,7 +129,7 @@ class RadixAllocator(RefCountedAllocator):
     def _set_path(self, seq_id: int, node: RadixNode | None) -> None:
         # Lock the new path before unlocking the old: the nodes they share never look evictable.
         old = self.paths.pop(seq_id, None)
-        if node is not None and node is not self.root:
+        if node is not None and node.parent is not None:
             self._lock(node, +1)
             self.paths[seq_id] = node
         self._lock(old, -1)
@@ -184,7 +197,7 @@ class RadixAllocator(RefCountedAllocator):
 
     def _touch(self, node: RadixNode) -> None:
         now = next(self.clock)
-        while node is not None and node is not self.root:
+        while node is not None and node.parent is not None:
             node.last_access = now
             node = node.parent
 
@@ -208,8 +221,10 @@ class RadixAllocator(RefCountedAllocator):
             leaf.alive = False
             parent = leaf.parent
             del parent.children[key]
-            if parent is not self.root and not parent.children and parent.lock_ref == 0:
+            if parent.parent is not None and not parent.children and parent.lock_ref == 0:
                 self._push(parent)
+            elif parent.parent is None:
+                self._drop_if_empty(parent)
 
     # -- prefix cache -------------------------------------------------------------------
     def match_prefix(self, seq: Sequence) -> int:
@@ -217,10 +232,11 @@ class RadixAllocator(RefCountedAllocator):
             return 0
         assert not seq.block_ids, "match_prefix needs a sequence without blocks"
         # Leave at least the last token to compute: its logits give the next token.
-        node, depth = self._follow(seq, self.root, 0, (seq.num_tokens - 1) // self.block_size, own=False)
+        root = self.roots.get(seq.cache_salt) or RadixNode(None, (), [], 0)  # no tree yet: nothing to match
+        node, depth = self._follow(seq, root, 0, (seq.num_tokens - 1) // self.block_size, own=False)
         path: list[int] = []
         walk = node
-        while walk is not self.root:
+        while walk.parent is not None:
             path[:0] = walk.blocks
             walk = walk.parent
         for block in path:
@@ -237,8 +253,10 @@ class RadixAllocator(RefCountedAllocator):
     def cached_prefix_tokens(self, seq: Sequence) -> int:
         if not self.caching or seq.block_ids:
             return 0
-        limit, node, i = (seq.num_tokens - 1) // self.block_size, self.root, 0
-        while i < limit and (child := node.children.get(self._key(seq.token_ids, i))) is not None:
+        node = self.roots.get(seq.cache_salt)  # None: no tree for its adapter yet
+        limit, i = (seq.num_tokens - 1) // self.block_size, 0
+        while node is not None and i < limit \
+                and (child := node.children.get(self._key(seq.token_ids, i))) is not None:
             m = self._edge_match(seq, child, i, limit, own=False)
             node, i = child, i + m
             if m < len(child.blocks):
@@ -252,9 +270,11 @@ class RadixAllocator(RefCountedAllocator):
         if not blocks:
             return
         start, full = blocks.start, blocks.stop
-        node = self.paths.get(seq.seq_id, self.root)
-        if node.end != start:
-            return  # stopped publishing earlier: its blocks hang off a prefix held elsewhere
+        node = self.paths.get(seq.seq_id) or self._tree(seq)
+        if node.end != start:  # stopped publishing earlier: its blocks hang off a prefix held elsewhere
+            if node.parent is None:
+                self._drop_if_empty(node)
+            return
         node, i = self._follow(seq, node, start, full, own=True)
         while i < full:  # blocks the tree holds under other ids: adopt those, free the copies
             node, adopted = self._adopt(seq, node, i, full)
@@ -274,15 +294,18 @@ class RadixAllocator(RefCountedAllocator):
             node, i = child, full
         self._set_path(seq.seq_id, node)
         self._touch(node)
+        if node.parent is None:  # nothing published (its blocks are held under other ids)
+            self._drop_if_empty(node)
 
     def _record_stored(self, seq: Sequence, start: int, stop: int) -> None:
         """BlockStored for ``seq``'s blocks ``start .. stop`` (just put in the tree); their keys are
         kept for the BlockRemoved of their eviction."""
-        keys = block_keys(seq.token_ids, self.block_size, stop, seq.block_hashes)[:stop]
+        keys = block_keys(seq.token_ids, self.block_size, stop, seq.block_hashes, seq.cache_salt)[:stop]
         self.block_key.update(zip(seq.block_ids[start:stop], keys[start:stop]))
-        bs = self.block_size
+        bs, lora = self.block_size, getattr(seq, "lora_request", None)
         self.record(BlockStored(keys[start:stop], keys[start - 1] if start else None,
-                                list(seq.token_ids[start * bs:stop * bs])))
+                                list(seq.token_ids[start * bs:stop * bs]),
+                                lora and lora.lora_int_id, lora and lora.lora_name))
 
     def _adopt(self, seq: Sequence, node: RadixNode, i: int, limit: int) -> tuple[RadixNode, int]:
         """Point ``seq``'s blocks ``i ..`` at the tree's blocks of the same content below ``node``
@@ -305,7 +328,7 @@ class RadixAllocator(RefCountedAllocator):
     def reset_prefix_cache(self) -> None:
         self.record(AllBlocksCleared())
         self.block_key.clear()
-        stack = list(self.root.children.values())
+        stack = [child for root in self.roots.values() for child in root.children.values()]
         while stack:
             node = stack.pop()
             node.alive = False
@@ -315,6 +338,7 @@ class RadixAllocator(RefCountedAllocator):
                 self.free_plain.append(block)
         self.block_node.clear()
         self.root.children.clear()
+        self.roots = {b"": self.root}
         self.heap.clear()
         self.evictable = 0
         self.paths.clear()  # every sequence now holds private blocks only and stops publishing
@@ -331,14 +355,18 @@ class RadixAllocator(RefCountedAllocator):
         for node in self.paths.values():
             assert node.alive, "a sequence's path ends at an evicted node"
             walk = node
-            while walk is not self.root:
+            while walk.parent is not None:
                 locks[id(walk)] += 1
                 walk = walk.parent
-                assert walk is not None, "a sequence's path does not lead to the root"
+            assert any(walk is root for root in self.roots.values()), "a sequence's path does not lead to a root"
         seen: set[int] = set()
         unlocked_leaves: set[int] = set()
         evictable = 0
-        stack = [self.root]
+        assert self.roots.get(b"") is self.root, "the base model's tree is gone"
+        for salt, root in self.roots.items():
+            assert root.parent is None and not root.blocks and root.end == 0, "a tree's root is not a root"
+            assert root.children or root is self.root, f"an empty tree is kept for {salt!r}"
+        stack = list(self.roots.values())
         while stack:
             node = stack.pop()
             for key, child in node.children.items():
@@ -378,6 +406,10 @@ class RadixAllocator(RefCountedAllocator):
                 if node is not None:
                     assert seq.block_ids[node.end - len(node.blocks):node.end] == node.blocks, (
                         f"sequence {seq.seq_id}'s path is not the start of its block table")
+                    while node.parent is not None:
+                        node = node.parent
+                    assert node is self.roots.get(seq.cache_salt), (
+                        f"sequence {seq.seq_id}'s path is in another adapter's tree")
 
     def num_cached_blocks(self) -> int:
         return len(self.block_node)

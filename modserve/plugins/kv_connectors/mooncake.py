@@ -17,7 +17,9 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import OrderedDict
 from dataclasses import dataclass
+from typing import Any, NamedTuple
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field
@@ -37,11 +39,14 @@ class MooncakeOptions(BaseModel):
     bootstrap_port: int = Field(8998, ge=0, le=65535, description="Producer: the side channel's port for rank 0, "
                                 "rank r takes this + r (vLLM's VLLM_MOONCAKE_BOOTSTRAP_PORT); 0: any free port")
     remote_bootstrap_addr: str | None = Field(None, pattern=r"^[^\s:]+:\d+$", description="Consumer: the producer's side channel, "
-                                              "host:port of its rank 0; role both without it reads its own pool")
+                                              "host:port of its rank 0, for requests that name none in their "
+                                              "kv_transfer_params; role both without it reads its own pool")
     size_gb: float = Field(1.0, gt=0, description="Producer: host memory for the blocks held for consumers (GiB)")
     num_blocks: int | None = Field(None, gt=0, description="Producer: exact pool size in blocks (overrides size_gb)")
     abort_request_timeout: float = Field(480.0, gt=0, description="Producer: seconds a block is held for a consumer "
                                          "that never reads it (vLLM's VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT)")
+    max_remote_producers: int = Field(64, ge=1, description="Consumer: side channels kept open to producers named by "
+                                      "requests' kv_transfer_params; past it the least recently used is closed")
 
 
 @dataclass(slots=True)
@@ -49,6 +54,26 @@ class Held:
     slot: int
     generation: int
     deadline: float  # monotonic seconds
+
+
+class Found(NamedTuple):
+    """Consumer: where a producer said a block is, from a lookup until the load reads it."""
+    peer: str  # the producer's transfer engine, host:port
+    addr: int  # the block's slot in its pool
+    generation: int
+    chain: tuple[str, ...]  # the prompt's keys, released together
+    source: str | None  # the producer's side channel (host:port of rank 0); None: the configured one
+
+
+def side_channel(remote: dict[str, Any]) -> str:
+    """The producer's side channel a request's kv_transfer_params name: ``remote_bootstrap_addr``
+    (vLLM's Mooncake spelling, ``http://`` optional) or ``remote_host`` and ``remote_port``;
+    "" when they name none (the server checks them: only an engine used offline gets here)."""
+    addr = remote.get("remote_bootstrap_addr")
+    if addr:
+        return str(addr).removeprefix("http://").rstrip("/")
+    host, port = remote.get("remote_host"), remote.get("remote_port")
+    return f"{host}:{port}" if host and isinstance(port, int) else ""
 
 
 def _engine(hostname: str):
@@ -69,9 +94,6 @@ class MooncakeConnector(KVConnector):
         opts = self.options
         self.produces = context.role in ("producer", "both")
         self.consumes = context.role in ("consumer", "both")
-        if context.role == "consumer" and not opts.remote_bootstrap_addr:
-            raise ValueError("kv_connector mooncake: a consumer needs remote_bootstrap_addr (the producer's "
-                             "side channel, host:port)")
         if context.role == "both" and not opts.remote_bootstrap_addr and context.tp_size > 1 \
                 and not opts.bootstrap_port:
             raise ValueError("kv_connector mooncake: role both under tensor parallelism reads its own ranks' pools, "
@@ -81,7 +103,9 @@ class MooncakeConnector(KVConnector):
         self.lock = threading.Lock()
         self.held: dict[str, Held] = {}  # producer: key -> its slot, until read or expired
         self.generation = 0
-        self.found: dict[str, tuple[str, int, int, tuple[str, ...]]] = {}  # consumer: key -> peer, addr, gen, chain
+        self.found: dict[str, Found] = {}  # consumer: key -> where its producer holds it
+        self.producers: OrderedDict[str, list[channel.Client]] = OrderedDict()  # named by requests, per rank
+        self.clients: list[channel.Client] = []  # the configured producer's ranks (none: requests name theirs)
         self.counters = {"blocks_read": 0, "bytes_read": 0, "blocks_stale": 0, "blocks_held_freed": 0,
                          "blocks_held_expired": 0, "blocks_not_held": 0}
         self.server: channel.SideChannel | None = None
@@ -113,9 +137,32 @@ class MooncakeConnector(KVConnector):
             self.server = channel.SideChannel(opts.hostname, port, self._answer, self._expire)
             if self.consumes and not opts.remote_bootstrap_addr:
                 remote = f"{opts.hostname}:{self.server.port - ctx.tp_rank}"  # role both: its own pool
-        if self.consumes:
-            host, port = remote.rsplit(":", 1)
-            self.clients = [channel.Client(f"tcp://{host}:{int(port) + r}") for r in range(ctx.tp_size)]
+        if self.consumes and remote:
+            self.clients = self._connect(remote)
+
+    def _connect(self, source: str) -> list[channel.Client]:
+        """Clients of each rank's side channel of the producer whose rank 0 is at ``source``."""
+        host, port = source.rsplit(":", 1)
+        return [channel.Client(f"tcp://{host}:{int(port) + r}") for r in range(self.context.tp_size)]
+
+    def _clients(self, source: str | None) -> list[channel.Client]:
+        """The configured producer's clients (``source`` None), or those of the one a request
+        named, made at its first request and closed once ``max_remote_producers`` newer ones were."""
+        if source is None:
+            return self.clients
+        if not source:  # a request naming no producer finds nothing
+            return []
+        clients = self.producers.get(source)
+        if clients is None:
+            try:
+                clients = self.producers[source] = self._connect(source)
+            except ValueError:  # not host:port
+                return []
+            while len(self.producers) > self.options.max_remote_producers:
+                for client in self.producers.popitem(last=False)[1]:
+                    client.close()
+        self.producers.move_to_end(source)
+        return clients
 
     def _register(self, ptr: int, length: int) -> None:
         if self.engine.register_memory(ptr, length) != 0:
@@ -127,22 +174,43 @@ class MooncakeConnector(KVConnector):
         if not self.consumes:  # a producer saves only what it does not hold yet
             with self.lock:
                 return next((i for i, k in enumerate(keys) if k not in self.held), len(keys))
+        return self._lookup(keys, None)
+
+    def stored_blocks_from(self, keys: list[str], remote: dict[str, Any]) -> int:
+        if not self.consumes:
+            return self.stored_blocks(keys)
+        return self._lookup(keys, side_channel(remote))
+
+    def _lookup(self, keys: list[str], source: str | None) -> int:
+        clients = self._clients(source)
+        if not clients:  # no producer configured, and the request named none
+            return 0
         # Every rank's producer is asked: a block counts when all of them hold it.
-        replies = [client.ask({"op": "lookup", "keys": keys}) for client in self.clients]
+        replies = [client.ask({"op": "lookup", "keys": keys}) for client in clients]
         if any(r is None for r in replies):  # a producer down or not answering: nothing to load
             return 0
         n = min(len(r["blocks"]) for r in replies)
-        self._note(replies[self.context.tp_rank], keys, n)
+        self._note(replies[self.context.tp_rank], keys, n, source)
         return n
 
-    def _note(self, reply: dict, keys: list[str], n: int) -> None:
+    def transfer_params(self) -> dict[str, Any] | None:
+        """A producer's address for consumers' requests: vLLM's Mooncake spelling
+        (``remote_bootstrap_addr``) and NIXL's (``remote_host``, ``remote_port``)."""
+        if not self.produces or self.server is None:
+            return None
+        host, port = self.options.hostname, self.server.port - self.context.tp_rank
+        return {"do_remote_decode": False, "do_remote_prefill": True, "remote_engine_id": self.context.namespace,
+                "remote_bootstrap_addr": f"{host}:{port}", "remote_host": host, "remote_port": port,
+                "tp_size": self.context.tp_size}
+
+    def _note(self, reply: dict, keys: list[str], n: int, source: str | None) -> None:
         """Remember where the first ``n`` of ``keys`` are, for ``load``; the oldest notes of
         prompts never loaded (their prefix was cached here) are dropped past ``MAX_FOUND``."""
         chain = tuple(keys)
         for key, block in zip(keys[:n], reply["blocks"]):
             self.found.pop(key, None)
             if block is not None:
-                self.found[key] = (reply["peer"], block[0], block[1], chain)
+                self.found[key] = Found(reply["peer"], block[0], block[1], chain, source)
         while len(self.found) > MAX_FOUND:
             del self.found[next(iter(self.found))]
 
@@ -150,43 +218,49 @@ class MooncakeConnector(KVConnector):
     def load(self, transfers: list[BlockTransfer]) -> list[int]:
         """Read each block from the producer into its cache block, rank by rank (each rank's
         instance reads its own heads from its own peer)."""
-        missing = [t.key for t in transfers if t.key not in self.found]
-        if missing:  # ranks past 0 never answer the scheduler: they find their blocks now
-            reply = self.clients[self.context.tp_rank].ask({"op": "lookup", "keys": missing, "each": True})
+        missing: dict[str | None, list[str]] = {}
+        for t in transfers:
+            if t.key not in self.found:
+                missing.setdefault(side_channel(t.remote) if t.remote else None, []).append(t.key)
+        for source, keys in missing.items():  # ranks past 0 never answer the scheduler: they find theirs now
+            clients = self._clients(source)
+            reply = clients[self.context.tp_rank].ask({"op": "lookup", "keys": keys, "each": True}) if clients else None
             if reply is not None:
-                self._note(reply, missing, len(missing))
-        failed, done, chains, reads = [], {}, set(), {}
+                self._note(reply, keys, len(keys), source)
+        failed, reads = [], {}
+        done: dict[str | None, dict[str, int]] = {}  # per producer: key -> the generation read
+        chains: dict[str | None, set[tuple[str, ...]]] = {}
         for i, t in enumerate(transfers):
             entry = self.found.pop(t.key, None)
             if entry is None:
                 failed.append(i)
                 continue
-            reads.setdefault(entry[0], []).append((i, entry[1], t.block_id))
-            done[t.key] = entry[2]
-            chains.add(entry[3])
+            reads.setdefault(entry.peer, []).append((i, entry.addr, t.block_id, entry.source))
+            done.setdefault(entry.source, {})[t.key] = entry.generation
+            chains.setdefault(entry.source, set()).add(entry.chain)
         per_batch = max(1, MAX_BATCH // (2 * len(self.context.layers)))
         for peer, blocks in reads.items():
             for start in range(0, len(blocks), per_batch):
                 batch = blocks[start:start + per_batch]
-                if self._read(peer, [(addr, block) for _, addr, block in batch]):
+                if self._read(peer, [(addr, block) for _, addr, block, _ in batch]):
                     continue
-                for i, addr, block in batch:  # block by block, to fail only those that fail
+                for i, addr, block, source in batch:  # block by block, to fail only those that fail
                     if not self._read(peer, [(addr, block)]):
                         failed.append(i)
-                        del done[transfers[i].key]
-        if not done:
-            return failed
-        # Done: the producer frees the whole of each prompt's chain, and says which slots stayed
-        # ours for the whole read (a slot expired and reused meanwhile held another block).
-        release = {key for chain in chains for key in chain}
-        reply = self.clients[self.context.tp_rank].ask({"op": "done", "read": done, "release": sorted(release)})
-        intact = set(reply["intact"]) if reply is not None else set()
-        for i, t in enumerate(transfers):
-            if t.key in done and t.key not in intact:
-                failed.append(i)
-                self.counters["blocks_stale"] += 1
-        for key in release:
-            self.found.pop(key, None)
+                        del done[source][transfers[i].key]
+        for source, read in done.items():
+            # Done: the producer frees the whole of each prompt's chain, and says which slots stayed
+            # ours for the whole read (a slot expired and reused meanwhile held another block).
+            release = {key for chain in chains[source] for key in chain}
+            reply = self._clients(source)[self.context.tp_rank].ask(
+                {"op": "done", "read": read, "release": sorted(release)})
+            intact = set(reply["intact"]) if reply is not None else set()
+            for i, t in enumerate(transfers):
+                if t.key in read and t.key not in intact:
+                    failed.append(i)
+                    self.counters["blocks_stale"] += 1
+            for key in release:
+                self.found.pop(key, None)
         return sorted(failed)
 
     def _read(self, peer: str, blocks: list[tuple[int, int]]) -> bool:
@@ -267,9 +341,9 @@ class MooncakeConnector(KVConnector):
         if self.server is not None:
             self.server.close()
             self.server = None
-        for client in getattr(self, "clients", []):
+        for client in [*self.clients, *(c for cs in self.producers.values() for c in cs)]:
             client.close()
-        self.clients = []
+        self.clients, self.producers = [], OrderedDict()
         if self.engine is not None:
             for ptr in self.registered:
                 self.engine.unregister_memory(ptr)

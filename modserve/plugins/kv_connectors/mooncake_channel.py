@@ -63,7 +63,12 @@ class Client:
         if self.socket is None:
             self.socket = self.context.socket(zmq.REQ)
             self.socket.setsockopt(zmq.LINGER, 0)
-            self.socket.connect(self.address)
+            try:
+                self.socket.connect(self.address)
+            except zmq.ZMQError:  # an address no producer can be at (a request named it)
+                self.socket.close()
+                self.socket = None
+                return None
         self.socket.send(self.encoder.encode(msg))
         if not self.socket.poll(ASK_TIMEOUT_MS):
             # NOTE: a REQ socket that sent and got no reply cannot send again: start a new one.

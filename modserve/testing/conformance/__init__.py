@@ -14,7 +14,7 @@ included). An implementation that needs options gets them as JSON::
 One module per kind (``test_<kind>.py``): attention_backend, kv_allocator, scheduler,
 sampler, grammar_backend, quantizer (its tensor-parallel shards too), proposer, executor
 (engines of two ranks on the tiny Llama: seconds each), kv_connector, tool_parser,
-reasoning_parser. Each test says in its docstring which part of
+reasoning_parser, logits_processor. Each test says in its docstring which part of
 the contract (:mod:`modserve.core.contracts`) it checks, and its assertion messages say what
 the contract requires and what the implementation did. Checks that need a capability an
 implementation may lack (an fp8 KV cache, ``fork``, ``Sampler.probs``) are skipped, with the

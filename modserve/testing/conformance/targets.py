@@ -29,6 +29,8 @@ KIT_MODULES: dict[str, str] = {
     "kv_connector": "test_kv_connector",
     "tool_parser": "test_tool_parser",
     "reasoning_parser": "test_reasoning_parser",
+    "lora_resolver": "test_lora_resolver",
+    "logits_processor": "test_logits_processor",
 }
 
 
@@ -36,6 +38,12 @@ def _draft_checkpoint() -> dict[str, Any]:
     from modserve.testing import cached_checkpoint
 
     return {"model": str(cached_checkpoint("llama", "tiny"))}
+
+
+def _kit_adapters() -> Any:
+    from modserve.testing.conformance.adapter_dirs import kit_adapters
+
+    return kit_adapters()
 
 
 def _storage_dir() -> dict[str, Any]:
@@ -51,6 +59,7 @@ BUILTIN_OPTIONS: dict[tuple[str, str], Callable[[], dict[str, Any]]] = {
     ("kv_connector", "shared_storage"): _storage_dir,  # not the default ./kv_store of the directory it runs in
     ("kv_connector", "host"): lambda: {"num_blocks": 64},  # not 4 GiB
     ("kv_connector", "mooncake"): lambda: {"num_blocks": 64, "bootstrap_port": 0},  # not 1 GiB, nor port 8998
+    ("lora_resolver", "filesystem"): lambda: {"cache_dir": str(_kit_adapters())},  # not $VLLM_LORA_RESOLVER_CACHE_DIR
 }
 
 

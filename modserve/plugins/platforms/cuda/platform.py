@@ -9,8 +9,8 @@ import logging
 import torch
 from pydantic import BaseModel
 
-from modserve.api import (AttentionBackend, CausalLM, FinishedModel, GraphSettings, ModelLoad, Platform,
-                          StepForward, model_bytes)
+from modserve.api import (AttentionBackend, CausalLM, FinishedModel, GraphSettings, LoRAKernel, ModelLoad,
+                          Platform, StepForward, model_bytes)
 from modserve.plugins.platforms.compile import compile_regions, compile_wanted
 from modserve.plugins.platforms.cuda.graphs import CudaGraphRecorder, capture_decode_graphs
 
@@ -50,6 +50,16 @@ class CudaPlatform(Platform):
 
     def compile_wanted(self, setting: str, weight_bytes: int, quantized: bool, traceable: bool = False) -> bool:
         return compile_wanted(setting, weight_bytes, quantized, traceable)
+
+    def lora_kernel(self) -> LoRAKernel | None:
+        """The Triton shrink and expand (:mod:`.lora_triton`) where triton imports; else the reference."""
+        try:
+            from modserve.plugins.platforms.cuda.lora_triton import TritonLoRAKernel
+
+            return TritonLoRAKernel()
+        except (ImportError, ValueError) as e:
+            logger.info("LoRA kernel: the torch reference (%s)", e)
+            return None
 
     def capture_graphs(self, forward: StepForward, backend: AttentionBackend,
                        settings: GraphSettings) -> StepForward:
