@@ -53,7 +53,7 @@ $(STAMP): $(PY) pyproject.toml constraints.txt $(EXAMPLE_FILES)
 install: $(STAMP)
 
 test: install
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=25
 
 # Greedy outputs must agree exactly and logits within 1e-3 (float32); reports go to build/ab/.
 AB_FLAGS := --threads 1 --workload random --input-len 48 --range-ratio 0.5 --num-prompts 8 --output-len 16 --repeats 2 \

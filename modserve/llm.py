@@ -146,6 +146,10 @@ class LLM:
         """Mixture-of-experts models: tokens routed to each expert so far, per layer; empty when dense."""
         return self.engine.runner.expert_load()
 
+    def stage_times(self) -> list[float]:
+        """Pipeline parallel: seconds each rank (by global rank) has spent inside its stage's layers."""
+        return self.engine.runner.stage_times()
+
     @property
     def model_module(self) -> torch.nn.Module:
         """The loaded model (rank 0's part of it under tensor or pipeline parallelism)."""

@@ -319,9 +319,9 @@ VLLM_OPTIONS: tuple[VllmOption, ...] = (
     VllmOption("pipeline_parallel_size", "refused", _NOT_BUILT.format("pipeline"), _INT, default=1, short="-pp"),
     VllmOption("data_parallel_size", "refused", _NOT_BUILT.format("data") + " (or run one server per replica)",
                _INT, default=1, short="-dp"),
-    VllmOption("data_parallel_backend", "refused", "data-parallel engine cores are processes on this machine "
-               "(mp); the ray executor places tensor-parallel ranks on a Ray cluster", _TEXT, default="mp",
-               short="-dpb"),
+    # (-dpb too: data_parallel_backend is a field, mp or ray)
+    VllmOption("data_parallel_backend", "refused", "data_parallel_backend takes mp (engine-core processes) or ray "
+               "(Ray actors placed on the cluster)", _TEXT, default="mp", short="-dpb"),
     VllmOption("data_parallel_size_local", "mapped", "`modserve serve`: data-parallel ranks (engine-core processes) "
                "on this machine; the others join from machines running --headless (docs/parallelism.md)", _INT,
                short="-dpl"),

@@ -615,6 +615,13 @@ class FailsTheRestAfterAMiss(SmallHost):
         return list(range(failed[0], len(transfers))) if failed else failed
 
 
+class StoresHalfSavedBlocks(SmallHost):
+    def finish_saves(self) -> None:
+        for key in self.saving:  # as if every layer had come
+            self.last_layer[key] = len(self.context.layers) - 1
+        super().finish_saves()
+
+
 class SavesAView(SmallHost):
     def register_kv_caches(self, kv_caches: list[torch.Tensor]) -> None:
         super().register_kv_caches(kv_caches)
@@ -761,7 +768,8 @@ BROKEN: dict[str, dict[str, Any]] = {
     "reasoning_parser": {"sends_a_partial_marker": SendsAPartialMarker, "finds_no_reasoning": FindsNoReasoning,
                          "names_the_wrong_end_marker": NamesTheWrongEndMarker},
     "kv_connector": {"loads_the_wrong_layer": LoadsTheWrongLayer, "counts_every_key": CountsEveryKey,
-                     "fails_the_rest_after_a_miss": FailsTheRestAfterAMiss, "saves_a_view": SavesAView},
+                     "fails_the_rest_after_a_miss": FailsTheRestAfterAMiss, "saves_a_view": SavesAView,
+                     "stores_half_saved_blocks": StoresHalfSavedBlocks},
     "logits_processor": {"acts_on_every_row": ActsOnEveryRow, "claims_argmax_invariance": ClaimsArgmaxInvariance,
                          "ignores_moves": IgnoresMoves},
     "lora_resolver": {"escapes_its_directory": EscapesItsDirectory, "ignores_the_base_model": IgnoresTheBaseModel,

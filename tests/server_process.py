@@ -80,13 +80,24 @@ def launch_healthy(tmp: Path, name: str, *flags: str, timeout: float = 90,
 
 
 def stop(server: Server) -> int:
-    if server.proc.poll() is None:
-        server.proc.send_signal(signal.SIGTERM)
-    try:
-        return server.proc.wait(timeout=20)
-    except subprocess.TimeoutExpired:
-        server.proc.kill()
-        return server.proc.wait()
+    return stop_all(server)[0]
+
+
+def stop_all(*servers: Server) -> list[int]:
+    """Each server's exit code after SIGTERM (SIGKILL past 20 s), their shutdowns overlapping (a
+    server takes seconds to stop): every one is signalled before any is waited for, and once
+    only (uvicorn takes a second SIGTERM as "exit now")."""
+    for server in servers:
+        if server.proc.poll() is None:
+            server.proc.send_signal(signal.SIGTERM)
+    codes = []
+    for server in servers:
+        try:
+            codes.append(server.proc.wait(timeout=20))
+        except subprocess.TimeoutExpired:
+            server.proc.kill()
+            codes.append(server.proc.wait())
+    return codes
 
 
 @contextlib.contextmanager
@@ -112,8 +123,7 @@ def serving_together(tmp: Path, *servers: tuple[str, list[str]]) -> Iterator[lis
             wait_healthy(server)
         yield started
     finally:
-        for server in started:
-            stop(server)
+        stop_all(*started)
 
 
 def wait_for(predicate: Callable[[], bool], timeout: float = 20.0) -> None:

@@ -45,7 +45,7 @@ from modserve.core.registry import Registry
 from modserve.plugins.executors.mp import MultiprocessExecutor, MultiprocessOptions
 from modserve.server.async_engine import AsyncEngine, EngineDead, EngineStopped
 from processes import alive, descendants, wait_until
-from server_process import Server, launch_healthy, stop
+from server_process import launch, stop, stop_all, wait_healthy
 
 MODEL = "tiny"
 PROMPTS = [[(7 * i + j) % 200 + 3 for j in range(5 + 3 * i)] for i in range(3)]
@@ -91,18 +91,26 @@ def reference(llama_dir) -> list[str]:
         return [o.outputs[0].text for o in llm.generate(PROMPTS, params, use_tqdm=False)]
 
 
-def start_tp2(tmp, name: str, llama_dir: str, *flags: str) -> Server:
-    return launch_healthy(tmp, name, llama_dir, "--tensor-parallel-size", "2", *SERVER_FLAGS, *flags, timeout=180)
-
-
 # -- a TP=2 server ----------------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def server(llama_dir, tmp_path_factory):
-    server = start_tp2(tmp_path_factory.mktemp("tp2"), "tp2", llama_dir)
+def servers(llama_dir, tmp_path_factory):
+    """The module's two TP=2 servers, their starts overlapping: ``tp2`` for the tests of a healthy
+    one, and ``doomed``, whose worker test_a_killed_worker_... kills. ``doomed`` stays up answering
+    503 (else it exits 1 once nothing runs: a race with that test's checks)."""
+    tmp = tmp_path_factory.mktemp("tp2")
+    flags = [llama_dir, "--tensor-parallel-size", "2", *SERVER_FLAGS]
+    started = {"tp2": launch(tmp, "tp2", *flags), "doomed": launch(tmp, "doomed", *flags, "--no-exit-on-engine-death")}
     try:
-        yield server
+        for s in started.values():
+            wait_healthy(s, timeout=180)
+        yield started
     finally:
-        stop(server)
+        stop_all(*started.values())
+
+
+@pytest.fixture(scope="module")
+def server(servers):
+    return servers["tp2"]
 
 
 def test_a_tp2_server_answers_as_tp1_does(server, reference):
@@ -140,9 +148,8 @@ def test_sigterm_stops_every_worker_before_the_server_exits(server):
     assert f"rank 1 (pid {worker}) ended with exit code 0" in server.log.read_text()
 
 
-def test_a_killed_worker_fails_the_stream_in_flight_and_the_server_reports_it(llama_dir, tmp_path):
-    # It stays up answering 503 (else it exits 1 once nothing runs: a race with the checks below).
-    server = start_tp2(tmp_path, "doomed", llama_dir, "--no-exit-on-engine-death")
+def test_a_killed_worker_fails_the_stream_in_flight_and_the_server_reports_it(servers):
+    server = servers["doomed"]
     try:
         tree = descendants(server.proc.pid)
         [worker] = workers_of(server.proc.pid)
@@ -372,8 +379,9 @@ def test_rank0_failing_inside_a_step_the_worker_runs_too_ends_the_engine_without
     registry.add_plugin(rank0_fault_plugin, "rank0_fault_plugin")
     params = SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True)
     with deadline(60):
+        # stop_timeout 1: the worker, left in its all-reduce, is killed after 1 s rather than the default 10
         llm = LLM(llama_dir, tensor_parallel_size=2, attention_backend=rank0_fault_plugin.NAME, registry=registry,
-                  **ENGINE)
+                  distributed_executor_backend={"name": "mp", "options": {"stop_timeout": 1}}, **ENGINE)
         with pytest.raises(EngineDeadError, match="rank 0 failed in run_model while the other ranks ran it"):
             llm.generate([PROMPTS[0]], params, use_tqdm=False)
         pids = [w.pid for w in multiprocessing.active_children()]
@@ -381,10 +389,13 @@ def test_rank0_failing_inside_a_step_the_worker_runs_too_ends_the_engine_without
     assert multiprocessing.active_children() == [] and not any(alive(pid) for pid in pids)
 
 
-def test_shutdown_with_a_frozen_worker_ends_it_and_returns(llama_dir):
+def test_shutdown_with_a_frozen_worker_ends_it_and_returns(llama_dir, monkeypatch):
     """A worker stopped dead (SIGSTOP) never takes rank 0's stop: shutdown gives up on the
     send, the executor kills it, and nothing is left; within the send's deadline plus the
     executor's stop_timeout, not never."""
+    from modserve.runner import ranks
+
+    monkeypatch.setattr(ranks, "STOP_SEND_TIMEOUT_S", 1.0)  # the send's deadline, 5 s: the give-up is the same at 1 s
     params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
     llm = LLM(llama_dir, tensor_parallel_size=2, distributed_executor_backend={"name": "mp", "options": {
         "stop_timeout": 2}}, **ENGINE)

@@ -130,7 +130,7 @@ def test_a_block_that_cannot_be_loaded_fails_or_is_recomputed(llama_dir, tmp_pat
     assert outs[0].outputs[0].token_ids == expected[0]  # the others are not harmed
     assert outs[1].outputs[0].token_ids == expected[1]
     if policy == "fail":
-        assert outs[2].error and "could not load" in outs[2].error
+        assert outs[2].error and "blocks could not be loaded" in outs[2].error
         assert outs[2].outputs[0].finish_reason == "error"
     else:
         assert outs[2].error is None

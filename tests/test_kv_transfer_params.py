@@ -2,7 +2,8 @@
 disaggregation proxy does it, sends the prefill server ``{"do_remote_decode": true}``, puts
 the ``kv_transfer_params`` of its answer into the decode request, and the decode server's
 ``kv_connector: mooncake`` (configured with no producer at all) pulls the prompt's blocks from
-the producer those params name. Malformed params are a 400 naming the field.
+the producer those params name; ``modserve router`` in front of the pair does the same. Malformed
+params are a 400 naming the field.
 """
 
 from __future__ import annotations
@@ -15,10 +16,12 @@ import uuid
 import httpx
 import pytest
 import torch
-from server_process import free_port, launch_healthy, stop
+from server_process import free_port, launch, stop, wait_healthy
+from test_router import launch_router, wait_listening
 
 from modserve import LLM, SamplingParams
 from modserve.api import AttentionSpec, BlockTransfer, KVConnectorContext
+from modserve.plugins.kv_connectors import mooncake_channel
 from modserve.plugins.kv_connectors.mooncake import MooncakeConnector, MooncakeOptions
 
 try:
@@ -62,13 +65,15 @@ def test_a_vllm_style_proxy_drives_a_modserve_pair(llama_dir, tmp_path):
     rng = random.Random(7)
     ps = [[rng.randrange(3, 4000) for _ in range(n)] for n in LENGTHS]
     port = free_port()
-    producer = launch_healthy(tmp_path, "producer", "--model", llama_dir, *FLAGS,
-                              *mooncake("kv_producer", bootstrap_port=port))
-    consumer = None
+    producer = launch(tmp_path, "producer", "--model", llama_dir, *FLAGS, *mooncake("kv_producer", bootstrap_port=port))
+    # No prefix cache: a prompt it served before is read again, not found in its own cache. It
+    # names no producer, so the two starts overlap.
+    consumer = launch(tmp_path, "consumer", "--model", llama_dir, *FLAGS, "--no-enable-prefix-caching",
+                      *mooncake("kv_consumer"))
+    router = None
     try:
-        # No prefix cache: a prompt it served before is read again, not found in its own cache.
-        consumer = launch_healthy(tmp_path, "consumer", "--model", llama_dir, *FLAGS, "--no-enable-prefix-caching",
-                                  *mooncake("kv_consumer"))
+        wait_healthy(producer)
+        wait_healthy(consumer)
         greedy = {"model": "tiny", "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True}
         texts = []
         for p in ps:
@@ -77,6 +82,25 @@ def test_a_vllm_style_proxy_drives_a_modserve_pair(llama_dir, tmp_path):
             texts.append(out["choices"][0]["text"])
             assert "kv_transfer_params" not in out  # a decode answer carries none
             # The decode server read every whole block but the last token's from the producer named.
+            assert consumer.metrics()[READ] - before == (len(p) - 1) // BLOCK
+        assert producer.metrics()["modserve_kv_connector_blocks_held"] == 0
+
+        # `modserve router` does what the proxy does: the same reads, the same tokens, streamed too.
+        router = launch_router(tmp_path, "router", producer.url, consumer.url)
+        wait_listening(router)
+        for p, text in zip(ps, texts):
+            before = consumer.metrics()[READ]
+            streamed = {**greedy, "prompt": p, "stream": True} if p is ps[-1] else {**greedy, "prompt": p}
+            with httpx.stream("POST", f"{router.url}/v1/completions", json=streamed, timeout=60) as r:
+                assert r.status_code == 200, r.read()
+                body = r.read().decode()
+            if "stream" in streamed:
+                events = [json.loads(line.removeprefix("data: ")) for line in body.splitlines()
+                          if line.startswith("data: {")]
+                assert body.endswith("data: [DONE]\n\n") and all("error" not in e for e in events), body
+                assert "".join(e["choices"][0]["text"] for e in events) == text
+            else:
+                assert json.loads(body)["choices"][0]["text"] == text
             assert consumer.metrics()[READ] - before == (len(p) - 1) // BLOCK
         assert producer.metrics()["modserve_kv_connector_blocks_held"] == 0
 
@@ -134,8 +158,8 @@ def test_a_vllm_style_proxy_drives_a_modserve_pair(llama_dir, tmp_path):
             m = server.metrics()
             assert m["modserve_kv_blocks_free"] == m["modserve_kv_blocks_total"]
     finally:
-        codes = [stop(consumer) if consumer is not None else 0, stop(producer)]  # both, whatever happened
-    assert codes == [0, 0], codes
+        codes = [stop(s) if s is not None else 0 for s in (router, consumer, producer)]  # all, whatever happened
+    assert codes[0] in (0, -15) and codes[1:] == [0, 0], codes  # uvicorn may end the router by the signal itself
 
     llm = LLM(llama_dir, dtype="float32", progress=False, num_kv_blocks=64, max_model_len=256, block_size=BLOCK)
     try:
@@ -145,7 +169,7 @@ def test_a_vllm_style_proxy_drives_a_modserve_pair(llama_dir, tmp_path):
     assert texts == [o.outputs[0].text for o in outs]
 
 
-def test_a_consumer_with_no_producer_reads_from_the_one_each_request_names():
+def test_a_consumer_with_no_producer_reads_from_the_one_each_request_names(monkeypatch):
     """Connectors alone: the producer's transfer_params, read back by a consumer configured
     with none; a request naming no producer, or one that does not answer, loads nothing."""
     spec = AttentionSpec(num_layers=1, num_heads=2, num_kv_heads=2, head_dim=8, scale=1.0, block_size=4,
@@ -165,8 +189,10 @@ def test_a_consumer_with_no_producer_reads_from_the_one_each_request_names():
         assert consumer.transfer_params() is None
         assert consumer.stored_blocks(keys) == 0  # no producer of its own
         assert consumer.stored_blocks_from(keys, {"do_remote_prefill": True}) == 0  # none named
-        elsewhere = {"remote_host": "127.0.0.1", "remote_port": free_port()}  # nothing listens: 5 s, then nothing
-        assert consumer.stored_blocks_from(keys, elsewhere) == 0
+        elsewhere = {"remote_host": "127.0.0.1", "remote_port": free_port()}  # nothing listens: no answer, nothing
+        with monkeypatch.context() as m:
+            m.setattr(mooncake_channel, "ASK_TIMEOUT_MS", 300)  # the wait for an answer, 5 s, cut to what this needs
+            assert consumer.stored_blocks_from(keys, elsewhere) == 0
         assert consumer.stored_blocks_from(keys, {"remote_bootstrap_addr": "no-such-host!:1"}) == 0  # zmq refuses it
         nixl = {k: remote[k] for k in ("remote_host", "remote_port")}
         assert consumer.stored_blocks_from(keys, nixl) == 3

@@ -163,7 +163,7 @@ def test_the_check_sees_a_planted_lazy_and_relative_import(tmp_path):
 
 # Raw lines per folder (blank lines, comments and docstrings count: it is what a reader reads).
 FOLDER_BUDGETS: dict[str, tuple[int, str]] = {
-    "core": (2500 + 20 + 113 + 26 + 90 + 110 + 16 + 16 + 45 + 130 + 4, "what every other folder stands on, read first: one contract per kind, the "
+    "core": (2500 + 20 + 113 + 26 + 90 + 110 + 16 + 16 + 45 + 130 + 4 + 4 + 2 + 4 + 3, "what every other folder stands on, read first: one contract per kind, the "
                                    "registry and hookspecs, config, the request, sequence and step data; +20: "
                                    "PoolerConfig and the runner, pooler_config, max_embedding_inputs keys (issue "
                                    "46); +113: the tool_parser and reasoning_parser contracts (issue 45); +26: "
@@ -177,8 +177,11 @@ FOLDER_BUDGETS: dict[str, tuple[int, str]] = {
                                    "lora_resolver contract and hook, the lora_resolvers key (issue 47); +130: "
                                    "the logits_processor contract and hook, SamplingBatch's processors, "
                                    "SamplingParams.extra_args, the logits_processors keys (issue 46); +4: the "
-                                   "master_port key (issue 42)"),
-    "engine": (2300 + 14 + 500 + 225 + 35 + 70 + 10 + 150 + 16 + 5 + 215, "rank 0: the engine loop, the scheduler core, culprit isolation, the output "
+                                   "master_port key (issue 42); +4: the data_parallel_backend key (issue 42); +2: "
+                                   "LoRAMapping.ranks, so a kernel skips the rank padding (issue 47); +4: a KV "
+                                   "connector's failed saves in its contract, error_kind kv_load (issue 44); +3: "
+                                   "the pipeline_in_flight key (issue 43)"),
+    "engine": (2300 + 14 + 500 + 225 + 35 + 70 + 10 + 150 + 16 + 5 + 215 + 6 + 2 + 150, "rank 0: the engine loop, the scheduler core, culprit isolation, the output "
                                 "processor, speculative planning, grammar compiles and their worker processes; "
                                 "+14: LLMEngine.embed, the pooling runner's entry (issue 46); +500: the "
                                 "engine-core process, its message protocol and output deltas (engine "
@@ -191,18 +194,26 @@ FOLDER_BUDGETS: dict[str, tuple[int, str]] = {
                                 "request's kv_transfer_params to the connector, a producer's for the server (issue 44); +5: "
                                 "the logits processors' checks of a request's extra_args (issue 46); +215: engine "
                                 "cores on other machines, their handshake and their watch of the API server, "
-                                "engine/core_handshake.py and engine/remote_core.py (issue 42)"),
-    "runner": (2000 + 151 + 300 + 180 + 120, "every rank: the model runner, batch building, the forward context, the linear "
+                                "engine/core_handshake.py and engine/remote_core.py (issue 42); +6: core_process.run_core, the loop a Ray "
+                                "actor's core runs too (--data-parallel-backend ray, issue 42); +2: the connector and "
+                                "the blocks a failed KV load names (issue 44); +150: pipeline batches in flight, "
+                                "engine/pipeline_step.py and the scheduler's steps in flight (issue 43)"),
+    "runner": (2000 + 151 + 300 + 180 + 120 + 24 + 230 + 62 + 80, "every rank: the model runner, batch building, the forward context, the linear "
                            "factory, collectives, the loader, sampling and rejection sampling; +151: the "
                            "pooling runner, runner/pooling.py, its KV sizing and checkpoint config (issue 46); "
                            "+300: LoRA adapters' loader, slots and reference kernel, runner/lora*.py (issue 47); "
                            "+180: checkpoint handles that read only a rank's part, runner/checkpoint.py, and the "
                            "bytes read per rank (issue 43); +120: the engine's logits processors and their "
-                           "BatchUpdates, runner/logits_processors.py (issue 46)"),
+                           "BatchUpdates, runner/logits_processors.py (issue 46); +24: each slot's adapter rank "
+                           "for LoRAMapping.ranks, the modserve::lora_add op of compiled layers (issue 47); +230: the persistent input batch, "
+                           "runner/input_batch.py (issue 40); +62: KV connector saves that fail skipped and "
+                           "counted, runner/kv_saves.py (issue 44); +80: a step submitted and collected apart, "
+                           "rank 0's messages sent without waiting, the stages' busy time (issue 43)"),
 }
-ENGINE_LOOP_LINES = 400 + 10 + 8 + 4  # modserve/engine/engine.py: the loop reads in one sitting; +8: KV events (issue 44);
+ENGINE_LOOP_LINES = 400 + 10 + 8 + 4 + 2 + 8  # modserve/engine/engine.py: the loop reads in one sitting; +8: KV events (issue 44);
 # +2: the adapters' stats (issue 47); +8: async scheduling's hand-off to engine/async_step.py (issue 43);
-# +4: the producer's kv_transfer_params, a utility the server calls (issue 44)
+# +4: the producer's kv_transfer_params, a utility the server calls (issue 44); +2: a failed KV load's
+# error names the connector and the request's blocks (issue 44); +8: pipeline batches in flight (issue 43)
 MAX_FUNCTION_LINES = 40  # each of its functions fits on a screen
 
 

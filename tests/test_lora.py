@@ -9,6 +9,7 @@ import torch
 from hf_oracle import PROMPTS
 from lora_oracle import ALL, ATTN, make_adapter, peft_greedy
 from modserve import LLM, LoRARequest, SamplingParams
+from modserve.plugins.platforms.cpu.lora import CppLoRAKernel, lora_kernel_problem
 
 MAX_NEW = 8
 # (rank, targets, rslora) per adapter: several ranks and target sets, rsLoRA on one
@@ -51,6 +52,28 @@ def test_mixed_batch_matches_peft(lora_setup, arch):
     assert got == want
     assert refs[None][0] != refs[adapters[0]][0]  # the adapters change the tokens: a real check
     assert llm.engine.stats()["steps"] == MAX_NEW  # every adapter in the same steps
+    if llm.engine.runner.device.type == "cpu" and lora_kernel_problem() is None:  # the cpu platform's C++ kernel
+        assert all(isinstance(layer.kernel, CppLoRAKernel) for layer in llm.engine.runner.lora.layers.values())
+
+
+def test_compiled_layers_match_peft(lora_setup):
+    """compile: on: a layer is one graph, the update an opaque op reading each step's adapters
+    eagerly; a batch of three adapters and the base model gives peft's tokens, and steps of other
+    row mappings and batch sizes run the same graphs."""
+    from torch._dynamo.utils import counters
+
+    base, ids, adapters, refs = lora_setup["llama"]
+    llm = _llm(base, max_loras=3, max_lora_rank=16, compile="on")
+    assert llm.engine.runner.compiled
+    requests = [None, *(LoRARequest(f"a{i}", i + 1, a) for i, a in enumerate(adapters))]
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
+    outs = llm.generate([p for p in ids for _ in requests], params, use_tqdm=False,
+                        lora_request=[r for _ in ids for r in requests])
+    assert [o.outputs[0].token_ids for o in outs] == [refs[c][0][i] for i in range(len(ids)) for c in [None, *adapters]]
+    graphs = counters["stats"]["unique_graphs"]
+    out = llm.generate(ids[:2], params, use_tqdm=False, lora_request=requests[2])  # other rows, another adapter
+    assert [o.outputs[0].token_ids for o in out] == refs[adapters[1]][0][:2]
+    assert counters["stats"]["unique_graphs"] == graphs, "a step of other adapters compiled again"
 
 
 def test_prefill_logits_match_peft(lora_setup):
@@ -224,8 +247,8 @@ def test_server_serves_adapters_by_name(lora_setup, tmp_path):
 def test_what_lora_cannot_combine_with_is_refused(llama_dir):
     from modserve import EngineConfig
 
-    with pytest.raises(ValueError, match="runs the layers eagerly"):
-        EngineConfig(model=llama_dir, enable_lora=True, compile="on")
+    with pytest.raises(ValueError, match="not with cuda_graph_sizes"):
+        EngineConfig(model=llama_dir, enable_lora=True, cuda_graph_sizes=[1, 2])
     with pytest.raises(ValueError, match="lora_modules needs enable_lora"):
         EngineConfig(model=llama_dir, lora_modules=[{"name": "a", "path": "/a"}])
     from modserve.engine.scheduler import SchedulerCore

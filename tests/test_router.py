@@ -5,13 +5,19 @@ client (httpx where the raw bytes or headers matter).
 Without a KV connector the decode server computes the prompt again; what is checked here is the
 router's part: the prefill server gets each request once with max_tokens=1 (its /metrics count
 one generated token and one finished request per client request), the client gets exactly what
-the decode server alone would answer, errors pass through in OpenAI's shape.
+the decode server alone would answer, errors pass through in OpenAI's shape; and each failure
+of an upstream (refused, SIGSTOPped, killed with -9 mid-stream) is an OpenAI-shaped answer
+naming it within the router's timeouts, costing the other server nothing.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -22,6 +28,8 @@ import openai
 import pytest
 from server_process import Server, free_port, launch, stop, wait_for, wait_healthy
 
+from modserve.server.router_upstreams import CachedHealth
+
 MODEL = "tiny-llama"
 KEY = "router-key"
 GREEDY = dict(temperature=0.0, max_tokens=12, extra_body={"ignore_eos": True})
@@ -30,18 +38,19 @@ FINISHED = "modserve_requests_finished_total{finish_reason=length}"
 ABORTED = "modserve_requests_finished_total{finish_reason=abort}"
 
 
-def launch_router(tmp: Path, name: str, prefill: str, decode: str) -> Server:
+def launch_router(tmp: Path, name: str, prefill: str, decode: str, *flags: str) -> Server:
     port = free_port()
     log = tmp / f"{name}.log"
     cmd = [sys.executable, "-m", "modserve", "--log-level", "info", "router", "--prefill", prefill,
-           "--decode", decode, "--port", str(port)]
+           "--decode", decode, "--port", str(port), *flags]
     with open(log, "w") as f:  # a file, not a pipe: a full pipe would stall the router
         proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=os.environ.copy())
     return Server(proc, f"http://127.0.0.1:{port}", log)
 
 
-def wait_listening(server: Server, timeout: float = 60) -> None:
-    """Any answer will do: a router before a dead server is up but not healthy."""
+def wait_listening(server: Server, timeout: float = 120) -> None:
+    """Any answer will do: a router before a dead server is up but not healthy. (Several routers
+    start at once, each importing fastapi and httpx: on a loaded machine that can take a minute.)"""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         assert server.proc.poll() is None, f"router exited ({server.proc.returncode}):\n{server.log.read_text()}"
@@ -53,27 +62,44 @@ def wait_listening(server: Server, timeout: float = 60) -> None:
     raise TimeoutError(f"router not listening after {timeout} s:\n{server.log.read_text()}")
 
 
+class DeadPort:
+    """A port bound and never listened on: connecting is refused, and no other process takes it meanwhile."""
+
+    def __init__(self) -> None:
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+
+
+# The strict router's: short enough to wait out in a test, long enough for a loaded machine's answers.
+STRICT = ("--connect-timeout", "2", "--read-timeout", "4", "--health-timeout", "1", "--health-ttl", "0")
+
+
 @pytest.fixture(scope="module")
 def stack(llama_dir, tmp_path_factory):
-    """prefill server, decode server, the router in front of them, and a router whose decode
-    server is a port nobody listens on."""
+    """prefill server, decode server, the router in front of them, a router whose decode server
+    is a port nobody listens on, one whose prefill server is, and one with short timeouts."""
     tmp = tmp_path_factory.mktemp("router")
     common = ["--model", llama_dir, "--served-model-name", MODEL, "--num-kv-blocks", "128",
               "--max-model-len", "256", "--num-threads", "1"]
     key = {"MODSERVE_API_KEY": KEY}  # both servers want it: the router must forward it
     prefill, decode = launch(tmp, "prefill", *common, env=key), launch(tmp, "decode", *common, env=key)
     routers: list[Server] = []
+    dead = DeadPort()
     try:
         wait_healthy(prefill)
         wait_healthy(decode)
         routers.append(launch_router(tmp, "router", prefill.url, decode.url))
-        routers.append(launch_router(tmp, "no-decode", prefill.url, f"http://127.0.0.1:{free_port()}"))
+        routers.append(launch_router(tmp, "no-decode", prefill.url, dead.url))
+        routers.append(launch_router(tmp, "no-prefill", dead.url, decode.url))
+        routers.append(launch_router(tmp, "strict", prefill.url, decode.url, *STRICT))
         for r in routers:
             wait_listening(r)
         yield prefill, decode, *routers
     finally:
         for s in (*routers, prefill, decode):
             stop(s)
+        dead.sock.close()
 
 
 @pytest.fixture(scope="module")
@@ -233,19 +259,119 @@ def test_the_authorization_header_is_forwarded(prefill, router):
         router.client("wrong").completions.create(model=MODEL, prompt="hi", max_tokens=2)
 
 
-def test_an_unreachable_decode_server_is_a_502_naming_it(prefill, stack):
+def banner_url(router: Server, role: str) -> str:
+    return router.log.read_text().split(f"{role} ")[-1].split(",")[0].split()[0]  # "routing: prefill X, decode Y"
+
+
+def error_of(router: Server, **body) -> tuple[httpx.Response, dict, float]:
+    start = time.monotonic()
+    r = httpx.post(f"{router.url}/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 2, **body},
+                   headers={"Authorization": f"Bearer {KEY}"}, timeout=60)
+    return r, r.json()["error"], time.monotonic() - start
+
+
+def test_a_down_decode_server_is_a_503_naming_it_and_costs_no_prefill(prefill, stack):
     broken = stack[3]
-    decode_url = broken.log.read_text().split("decode ")[-1].split()[0]  # the router's banner names it
-    with PrefillCount(prefill, 1):  # the prefill ran: the failure is the decode server's
+    decode_url = banner_url(broken, "decode")
+    with PrefillCount(prefill, 0):  # checked before the prefill: none was spent
+        r, error, took = error_of(broken)
         with pytest.raises(openai.APIStatusError) as e:
             client(broken).completions.create(model=MODEL, prompt="hi", max_tokens=2)
-    assert e.value.status_code == 502
-    error = e.value.body
-    assert error["code"] == "decode_unreachable" and error["type"] == "server_error"
+    assert r.status_code == e.value.status_code == 503 and took < 3, (r.status_code, took)
+    assert error["code"] == "decode_unavailable" and error["type"] == "server_error" and e.value.body == error
     assert error["message"].startswith(f"the decode server at {decode_url} is unreachable"), error
+    assert r.headers["retry-after"] == "2" and r.headers["x-modserve-upstream"] == "decode"
     health = httpx.get(f"{broken.url}/health")
     assert health.status_code == 503 and health.json()["error"]["message"].startswith(
         f"the decode server at {decode_url} is unreachable")
+
+
+def test_the_decode_servers_health_is_asked_once_per_ttl_by_a_burst():
+    """In-process: the cache the router asks before each prefill (no servers needed)."""
+    asked = []
+
+    async def check() -> str | None:
+        asked.append(1)
+        await asyncio.sleep(0.05)
+        return "down" if len(asked) > 1 else None
+
+    async def burst() -> list:
+        health = CachedHealth(check, ttl=60)
+        first = await asyncio.gather(*(health.get() for _ in range(5)))
+        cached = await health.get()
+        health.forget()  # a failed request: the next one asks afresh
+        return [*first, cached, await health.get()]
+
+    assert asyncio.run(burst()) == [None] * 6 + ["down"] and len(asked) == 2
+
+
+def finished(server: Server) -> float:
+    return server.metrics().get(FINISHED, 0)
+
+
+def test_a_down_prefill_server_is_a_502_naming_it_and_never_decoded(decode, stack):
+    broken = stack[4]
+    prefill_url = banner_url(broken, "prefill")
+    before = finished(decode)
+    r, error, took = error_of(broken)
+    assert r.status_code == 502 and error["code"] == "prefill_unreachable" and took < 3, (r.status_code, error, took)
+    assert error["message"].startswith(f"the prefill server at {prefill_url} is unreachable"), error
+    assert r.headers["x-modserve-upstream"] == "prefill"
+    assert finished(decode) == before
+
+
+@contextlib.contextmanager
+def frozen(server: Server):
+    """``server`` SIGSTOPped for the block; after SIGCONT, the requests it took meanwhile are done."""
+    server.proc.send_signal(signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        server.proc.send_signal(signal.SIGCONT)
+    wait_for(lambda: server.metrics()["modserve_num_requests_running"] == 0
+             and server.metrics()["modserve_num_requests_waiting"] == 0)
+
+
+def test_a_frozen_decode_server_is_a_503_and_costs_no_prefill(prefill, decode, stack):
+    strict = stack[5]
+    with PrefillCount(prefill, 0), frozen(decode):
+        r, error, took = error_of(strict)
+    assert r.status_code == 503 and error["code"] == "decode_unavailable" and took < 1 + 1, (r.status_code, took)
+    assert error["message"].startswith(f"the decode server at {decode.url} did not answer /health within "
+                                       "--health-timeout 1 s"), error
+
+
+def test_the_router_metrics_hold_both_servers_and_its_own(prefill, decode, router):
+    client(router).completions.create(model=MODEL, prompt="Count me", **GREEDY)
+    mine = router.metrics()
+    for role, server in (("prefill", prefill), ("decode", decode)):
+        theirs = server.metrics()
+        for name in (GENERATED, "modserve_kv_blocks_total", "modserve_e2e_request_latency_seconds_count"):
+            assert mine[f"{name}{{role={role},upstream={server.url}}}"] == theirs[name], (role, name)
+        assert mine[f"modserve_disagg_upstream_up{{role={role},upstream={server.url}}}"] == 1
+    assert mine["modserve_disagg_requests_total{path=/v1/completions}"] >= 1
+    assert mine["modserve_disagg_prefill_seconds_count"] >= 1
+    text = httpx.get(f"{router.url}/metrics").text
+    assert text.count(f"# TYPE {GENERATED} counter") == 1  # one family, both servers
+
+
+def test_a_frozen_prefill_server_fails_health_and_requests_within_their_timeouts(prefill, decode, stack):
+    """--health-timeout 1, --read-timeout 4: /health and a request answer in time, naming the flag.
+    (Last of the tests counting the prefill server's requests: the one it took while frozen ends after.)"""
+    strict = stack[5]
+    before = finished(decode)
+    with frozen(prefill):
+        start = time.monotonic()
+        health = httpx.get(f"{strict.url}/health", timeout=30)
+        health_s = time.monotonic() - start
+        r, error, took = error_of(strict)
+    assert health.status_code == 503 and health_s < 1 + 1, (health.status_code, health_s)
+    assert health.json()["error"]["message"] == (
+        f"the prefill server at {prefill.url} did not answer /health within --health-timeout 1 s (ReadTimeout)"
+    ), health.json()
+    assert r.status_code == 504 and error["code"] == "prefill_unreachable" and 4 <= took < 4 + 2, (r.status_code, took)
+    assert error["message"] == f"the prefill server at {prefill.url} was silent for --read-timeout 4 s (ReadTimeout)"
+    assert finished(decode) == before  # nothing went to the decode server
 
 
 def test_a_client_leaving_mid_stream_closes_the_decode_stream(decode, router):
@@ -260,6 +386,34 @@ def test_a_client_leaving_mid_stream_closes_the_decode_stream(decode, router):
     wait_for(lambda: decode.metrics().get(ABORTED, 0) == before.get(ABORTED, 0) + 1)
     wait_for(lambda: decode.metrics()["modserve_kv_blocks_used"] == 0)
     assert decode.metrics()[GENERATED] - before[GENERATED] < 240
+
+
+def test_a_decode_server_killed_mid_stream_ends_it_with_an_error_event(decode, router):
+    """Kills the decode server: after every other test that asks it. The client gets whole events,
+    an OpenAI-shaped error event naming the decode server, then [DONE]; the router logs one
+    warning and no traceback, and turns the next request away before its prefill."""
+    body = {"model": MODEL, "prompt": "Die", "max_tokens": 240, "ignore_eos": True, "stream": True}
+    events = []
+    with httpx.stream("POST", f"{router.url}/v1/completions", json=body,
+                      headers={"Authorization": f"Bearer {KEY}"}, timeout=60) as r:
+        lines = (line for line in r.iter_lines() if line.startswith("data:"))
+        events += [next(lines) for _ in range(3)]
+        os.kill(decode.proc.pid, signal.SIGKILL)
+        decode.proc.wait()
+        events += list(lines)
+    assert events[-1] == "data: [DONE]" and len(events) < 240, events[-3:]
+    error = json.loads(events[-2].removeprefix("data: "))["error"]
+    assert error["code"] == "decode_unreachable" and error["type"] == "server_error", error
+    assert error["message"].startswith(f"the decode server at {decode.url} dropped the connection"), error
+    assert all(json.loads(e.removeprefix("data: "))["choices"] for e in events[:-2])  # no half event
+    wait_for(lambda: "failed mid-stream" in router.log.read_text())
+    log = router.log.read_text()
+    assert log.count("failed mid-stream") == 1 and "WARNING" in log.split("failed mid-stream")[0].splitlines()[-1]
+    assert "Traceback" not in log and "Exception in ASGI application" not in log, log
+    assert router.metrics()["modserve_disagg_upstream_errors_total{kind=disconnected,role=decode}"] == 1
+    with pytest.raises(openai.APIStatusError) as e:
+        client(router).completions.create(model=MODEL, prompt="hi", max_tokens=2)
+    assert e.value.status_code == 503 and e.value.body["code"] == "decode_unavailable"
 
 
 # -- the end ---------------------------------------------------------------------------------------

@@ -133,6 +133,11 @@ def test_vllms_parallelism_flags_are_modserves_settings(llama_dir, tmp_path):
     path.write_text(f"model: {llama_dir}\npipeline-parallel-size: 2\ndata_parallel_size: 3\n")
     config, _ = resolve(["serve", "--config", str(path)])
     assert (config.pipeline_parallel_size, config.data_parallel_size) == (2, 3)
+    # and so did -dpb's: Ray placing the engine cores (server/ray_cores.py)
+    assert resolve(["serve", llama_dir, "-dp", "2", "-dpb", "ray"])[0].data_parallel_backend == "ray"
+    path.write_text(f"model: {llama_dir}\ndata-parallel-backend: ray\n")
+    assert resolve(["serve", "--config", str(path)])[0].data_parallel_backend == "ray"
+    assert resolve(["serve", llama_dir])[0].data_parallel_backend == "mp"
     # vLLM's --enable-expert-parallel is a bare flag, before or after the model; the file spells it either way
     for argv in (["serve", llama_dir, "-tp", "2", "--enable-expert-parallel"],
                  ["serve", "--enable-expert-parallel", llama_dir, "-tp", "2"]):

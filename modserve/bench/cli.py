@@ -308,6 +308,7 @@ def _write_json(path: str | None, data: Any) -> None:
 
 
 def cmd_throughput(args: argparse.Namespace) -> int:
+    from modserve.bench.bubble import StageClock, bubble_line, idle_fractions
     from modserve.bench.offline import EngineRunner, interleave
     from modserve.bench.report import spread_table
     from modserve.bench.vllm_baseline import VLLMUnavailable
@@ -330,7 +331,9 @@ def cmd_throughput(args: argparse.Namespace) -> int:
             from modserve.bench.hf_baseline import HFRunner
 
             runners.append(HFRunner(llm.config.model, llm.dtype, args.hf_batch_size))
+        clock = StageClock.read(llm)
         runs = interleave(runners, requests, args.repeats, args.warmups)
+        idle = idle_fractions(clock, StageClock.read(llm), llm.config.tensor_parallel_size) if clock else None
     except VLLMUnavailable as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -345,6 +348,9 @@ def cmd_throughput(args: argparse.Namespace) -> int:
         print(f"--n {args.n}: {args.n} sequences per prompt, sampled at temperature 1 (not greedy)")
     print(f"median [min-max] over {args.repeats} repeats" + (", interleaved" if len(runners) > 1 else ""))
     print(spread_table(figures))
+    if idle is not None:  # NOTE: over every runner's runs: the baselines' time counts as idle
+        print(bubble_line(idle, llm.config.pipeline_in_flight))
+        figures["pipeline_idle_fraction"] = idle  # type: ignore[assignment]
     for runner in runners[1:]:
         print(_ratio_line(figures, runner.name, "output tok/s"))
         label = f"hf (batch {args.hf_batch_size})" if runner.name == "hf" else runner.name
@@ -409,6 +415,7 @@ def expert_load_lines(load: dict[int, list[int]]) -> list[str]:
 
 
 def cmd_latency(args: argparse.Namespace) -> int:
+    from modserve.bench.bubble import StageClock, bubble_line, idle_fractions
     from modserve.bench.offline import single_stream, vllm_latency_keys
     from modserve.bench.plan import ModelShape, hardware, plan
     from modserve.bench.report import spread_table
@@ -429,8 +436,10 @@ def cmd_latency(args: argparse.Namespace) -> int:
             baselines.append(_vllm_runner(args, llm, args.input_len + args.output_len, log_stats=True))
         elif args.baseline == "llama.cpp":
             baselines.append(_llamacpp_runner(args, llm))
+        clock = StageClock.read(llm)
         all_runs = single_stream(llm, args.input_len, args.output_len, args.repeats, args.warmups,
                                  baselines=baselines, batch_size=args.batch_size)
+        idle = idle_fractions(clock, StageClock.read(llm), llm.config.tensor_parallel_size) if clock else None
     except (VLLMUnavailable, LlamaCppUnavailable) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -455,6 +464,9 @@ def cmd_latency(args: argparse.Namespace) -> int:
         print(f"{b.name} TTFT and TPOT from {how}")
     result: dict[str, Any] = {**vllm_latency_keys(all_runs["modserve"]), "runs": runs,
                               **{f"{b.name}_runs": figures[b.name] for b in baselines}}
+    if idle is not None:
+        print(bubble_line(idle, llm.config.pipeline_in_flight))
+        result["pipeline_idle_fraction"] = idle
     hw_name = args.hardware or ("cpu" if llm.config.device == "cpu" else None)
     if hw_name and args.batch_size > 1:  # the ceilings below are a single stream's
         print(f"no {hw_name} ceiling: it is computed for a single stream (--batch-size 1)")

@@ -195,12 +195,19 @@ class EngineConfig(BaseModel):
     pipeline_micro_batches: int | None = Field(
         None, gt=0, description="Pipeline parallel: micro-batches each step is split into, so the stages work "
         "at once; default: one per stage for steps of 128 tokens a stage or more (prefills), else one")
+    pipeline_in_flight: bool = Field(
+        True, description="Pipeline parallel: keep up to pipeline_parallel_size steps of disjoint batches in "
+        "flight, so every stage works on decode (vLLM's batch queue; false: one step at a time)")
     data_parallel_size: int = Field(
         1, gt=0, description="Server: engine replicas (each of tensor_parallel_size ranks) behind one server, "
         "each request routed to one; on a shared memory (CPU) kv_cache_memory_fraction is split between them")
     data_parallel_routing: Literal["load", "prefix"] = Field(
         "prefix", description="Server, data_parallel_size > 1: prefix sends a request to the replica that "
         "holds the longest part of its prompt's prefix (else, or with load, to the least loaded replica)")
+    data_parallel_backend: Literal["mp", "ray"] = Field(
+        "mp", description="Server: how the data-parallel engine cores start: mp (processes of this machine, and "
+        "--headless on others), ray (Ray actors, each rank's placement group on whatever node has room: the "
+        "cluster at RAY_ADDRESS, else a local one stopped with the server)")
     distributed_executor_backend: PluginChoice | None = Field(
         None, description="Executor plugin that starts the ranks beyond the first: mp (processes on this "
         "machine), ray (Ray actors, several machines); default mp when tensor_parallel_size > 1, else uni")
@@ -329,8 +336,8 @@ class EngineConfig(BaseModel):
             raise ValueError("enable_lora does not work with pipeline_parallel_size > 1 (tensor parallel does)")
         if (self.lora_modules or self.lora_resolvers) and not self.enable_lora:
             raise ValueError(f"{'lora_modules' if self.lora_modules else 'lora_resolvers'} needs enable_lora")
-        if self.enable_lora and (self.compile == "on" or self.cuda_graph_sizes):
-            raise ValueError("enable_lora runs the layers eagerly: not with compile: on or cuda_graph_sizes")
+        if self.enable_lora and self.cuda_graph_sizes:
+            raise ValueError("enable_lora reads each step's adapters outside any graph: not with cuda_graph_sizes")
         if self.logits_processors and self.speculative is not None:
             raise ValueError("logits_processors cannot be combined with speculative decoding yet: drafts are "
                              "verified without the processors' per-row state")

@@ -81,5 +81,6 @@ class RequestOutput:
     # that was traced to it alone; the other requests of that step went on.
     error: str | None = None
     # "plugin": a plugin broke its contract, and ``error`` (a PluginError's message) names it;
-    # "engine": any other fault.
-    error_kind: Literal["plugin", "engine"] | None = None
+    # "kv_load": the KV connector could not load its blocks (kv_load_failure_policy: fail), and
+    # ``error`` names the connector and the blocks; "engine": any other fault.
+    error_kind: Literal["plugin", "kv_load", "engine"] | None = None

@@ -208,6 +208,12 @@ def main() -> int:
     logging.basicConfig(level=os.environ.get("MODSERVE_LOG_LEVEL", "INFO").upper(),
                         format=f"%(asctime)s %(levelname)s [engine-core {spec.dp_rank}] %(name)s: %(message)s")
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the server decides when the core stops
+    return run_core(spec)
+
+
+def run_core(spec: LaunchSpec) -> int:
+    """Hello, Start, build, Ready, then the loop until Shutdown: the process's exit status. Also
+    the body of a Ray actor's core (server/ray_cores.py), which joins by the handshake."""
     context = zmq.Context()
     if spec.handshake:
         from modserve.engine.remote_core import handshake

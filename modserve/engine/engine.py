@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import Counter
 from concurrent.futures import Future
 from itertools import count
 from typing import Any
@@ -26,6 +27,7 @@ from modserve.core.sampling_params import SamplingParams
 from modserve.core.sequence import Sequence
 from modserve.core.step import ModelOutput, ScheduledStep
 from modserve.engine.async_step import OverlappedSteps
+from modserve.engine.pipeline_step import PipelinedSteps
 from modserve.engine.grammar import AUTO, GrammarCompiler, wait_any
 from modserve.engine.grammar_gate import gated
 from modserve.engine.grammar_compile import CompiledGrammar
@@ -105,7 +107,12 @@ class LLMEngine:
         self.spec = SpecDecode.create(config, registry, self.runner, self.num_blocks, self.max_model_len)
         self.isolation = CulpritIsolation(self.scheduler, self.spec.forget)
         self.outputs = OutputProcessor(self.eos_token_ids)
-        self.overlap = OverlappedSteps(self) if config.async_scheduling else None
+        self.overlap: OverlappedSteps | PipelinedSteps | None = \
+            OverlappedSteps(self) if config.async_scheduling else None
+        if config.pipeline_parallel_size > 1 and config.pipeline_in_flight and self.spec.proposer is None:
+            # NOTE: it overlaps a step's output processing with the later stages' work, what
+            # async scheduling does with a thread: with both on, this runs
+            self.overlap = PipelinedSteps(self, config.pipeline_parallel_size)
         if self.runner.compiled:
             self._warm_up()
 
@@ -230,7 +237,9 @@ class LLMEngine:
         return self.pooler.embed(prompts, normalize, dimensions)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.requests)
+        """Requests not finished, or pipeline steps in flight (an aborted request's blocks come back
+        once its step is collected: the caller steps on until then)."""
+        return bool(self.requests) or isinstance(self.overlap, PipelinedSteps) and self.overlap.pending
 
     # -- one step ---------------------------------------------------------------------
     def _start(self, req: Request, grammar: Future | None) -> None:
@@ -306,9 +315,9 @@ class LLMEngine:
         out = self._end_request(request_id, "error")
         if out is None:
             return []
-        plugin = isinstance(error, PluginError)  # its message names the plugin and what it broke
-        out.error = str(error) if plugin else f"{type(error).__name__}: {error}"
-        out.error_kind = "plugin" if plugin else "engine"
+        named = isinstance(error, (PluginError, KVLoadError))  # its message names the plugin and what failed
+        out.error = str(error) if named else f"{type(error).__name__}: {error}"
+        out.error_kind = "kv_load" if isinstance(error, KVLoadError) else "plugin" if named else "engine"
         return [out]
 
     def _step(self) -> list[RequestOutput]:
@@ -348,9 +357,10 @@ class LLMEngine:
         self.scheduler.drop_failed_loads(scheduled, seqs, requeue=recompute)
         if recompute:
             return []
-        error = KVLoadError(f"the KV connector could not load {len(failed)} block(s) of this prompt "
-                            "(kv_load_failure_policy: fail)")
-        return [o for rid in dict.fromkeys(s.request_id for s in seqs) for o in self._fail_request(rid, error)]
+        lost, of = Counter(transfers[i][0].request_id for i in failed), Counter(s.request_id for s, _ in transfers)
+        return [o for rid, n in lost.items() for o in self._fail_request(rid, KVLoadError(
+            f"kv_connector {self.config.kv_connector.name}: {n} of {of[rid]} blocks could not be loaded for this "
+            "request (kv_load_failure_policy: fail)"))]
 
     def _max_tokens(self, seq: Sequence) -> int:
         room = self.max_model_len - seq.num_prompt_tokens
@@ -388,7 +398,7 @@ class LLMEngine:
             "blocks_swapped_out": self.scheduler.blocks_swapped["out"],
             "blocks_swapped_in": self.scheduler.blocks_swapped["in"],
             **({f"kv_connector_blocks_{k}": v for k, v in self.scheduler.kv_blocks.items()}
-               | {f"kv_connector_{k}": v for k, v in self.runner.connector.stats().items()}
+               | {f"kv_connector_{k}": v for k, v in self.runner.connector_stats().items()}
                if self.runner.connector is not None else {}),
             **self.counters,
             **self.spec.counters,

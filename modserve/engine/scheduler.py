@@ -13,6 +13,7 @@ through :meth:`SchedulerCore.finish`.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections import deque
 from typing import Collection, Iterable, Literal, Mapping
@@ -76,6 +77,13 @@ class SchedulerCore(SchedulerView):
         self.connector = connector
         self.kv_role = kv_role
         self.kv_blocks = {"loaded": 0, "saved": 0, "load_failed": 0}  # the connector's blocks, moved
+        # Pipeline parallel with batches in flight (engine/pipeline_step.py): up to this many
+        # steps run at once, of disjoint sequences; a sequence in a step not yet applied is in
+        # flight (its next token unknown): the policy does not see it, and its blocks, should it
+        # end meanwhile, are freed once that step is applied or abandoned.
+        self.pipeline_depth = 1
+        self.in_flight: set[Sequence] = set()
+        self._free_later: list[Sequence] = []
 
     @property
     def num_preemptions(self) -> int:
@@ -112,7 +120,10 @@ class SchedulerCore(SchedulerView):
                 break
         if self.swap_space is not None and seq.seq_id in self.swap_space.held:
             self.swap_space.give_back(self.swap_space.held.pop(seq.seq_id))
-        self.allocator.free(seq)
+        if seq in self.in_flight:  # NOTE: a step not yet applied reads its blocks
+            self._free_later.append(seq)
+        else:
+            self.allocator.free(seq)
         seq.status = SequenceStatus.FINISHED
 
     def finish(self, seq: Sequence, reason: str, stop_reason: int | str | None = None,
@@ -140,6 +151,10 @@ class SchedulerCore(SchedulerView):
         seqs = [*self.running, *self.swapped, *self.waiting]
         self.running, self.swapped, self.waiting = [], deque(), deque()
         self._give_back_swapped_in()  # the failed step's, if it swapped any in
+        self.in_flight.clear()  # NOTE: the engine abandoned every step in flight first
+        for seq in self._free_later:
+            self.allocator.free(seq)
+        self._free_later = []
         for seq in seqs:
             if self.swap_space is not None and seq.seq_id in self.swap_space.held:
                 self.swap_space.give_back(self.swap_space.held.pop(seq.seq_id))
@@ -163,11 +178,15 @@ class SchedulerCore(SchedulerView):
 
     def _schedule(self) -> ScheduledStep:
         waiting, self.waiting = self.waiting, self._admissible(self.waiting)
+        running, limits = self.running, self.limits
+        if self.pipeline_depth > 1:
+            self.running, hidden = self._schedulable(running)
+            self.limits = dataclasses.replace(limits, max_num_seqs=limits.max_num_seqs - hidden)
         try:  # the policy sees only the waiting sequences whose adapter fits beside the running ones'
             with calling(self.policy, "scheduler", "schedule()"):
                 schedule = self.policy.schedule(self)
         finally:
-            self.waiting = waiting
+            self.waiting, self.running, self.limits = waiting, running, limits
         if not isinstance(schedule, Schedule) or not isinstance(schedule.tokens, dict):
             raise broke(self.policy, "scheduler", "schedule()", "a Schedule (tokens: a dict of sequence -> int)",
                         described(schedule))
@@ -208,7 +227,27 @@ class SchedulerCore(SchedulerView):
             out.seqs.append(seq)
             out.num_new_tokens.append(n)
         out.copies = self.allocator.take_copies()
+        if self.pipeline_depth > 1:
+            self.in_flight.update(out.seqs)
         return out
+
+    def _schedulable(self, running: list[Sequence]) -> tuple[list[Sequence], int]:
+        """The running sequences the policy may schedule while steps are in flight, and how
+        many it does not see: none in flight, and at most a ``pipeline_depth``-th of the
+        running ones (rounded up), so the steps in flight share the decodes about evenly."""
+        cap = -(-len(running) // self.pipeline_depth)
+        free = [s for s in running if s not in self.in_flight][:cap]
+        return free, len(running) - len(free)
+
+    def settled(self, scheduled: ScheduledStep) -> None:
+        """``scheduled`` is applied or abandoned: its sequences are no longer in flight, and
+        those that ended meanwhile give back their blocks now."""
+        self.in_flight.difference_update(scheduled.seqs)
+        if self._free_later:
+            keep = []
+            for seq in self._free_later:
+                (keep.append if seq in self.in_flight else self.allocator.free)(seq)
+            self._free_later = keep
 
     def _admissible(self, waiting: deque[Sequence]) -> deque[Sequence]:
         """``waiting`` less the sequences whose LoRA adapter would be one more than ``max_loras``
@@ -326,6 +365,7 @@ class SchedulerCore(SchedulerView):
         blocks its swap-ins freed; then its new tokens in order, each checked for a stop (the
         tokens after it are dropped). Returns the sequences that finished, their blocks freed."""
         self._progress(scheduled, output)
+        self.settled(scheduled)
         # NOTE: a sequence that ended while its step ran (async scheduling: a stop string found in
         # the step before) keeps what it had: the token sampled for it is dropped.
         finished = [seq for seq, tokens in output.token_ids.items()
@@ -431,6 +471,9 @@ class SchedulerCore(SchedulerView):
 
         running, waiting, swapped = set(self.running), set(self.waiting), set(self.swapped)
         preempt = set(schedule.preempt)
+        if busy := self.in_flight & (preempt | set(schedule.tokens)):
+            raise refuse(f"sequence {next(iter(busy)).seq_id} is in a step still in flight (its next token is "
+                         "not known yet)")
         if len(preempt) != len(schedule.preempt) or not preempt <= running:
             raise refuse("it preempts a sequence that is not running (or one twice)")
         total = blocks = 0

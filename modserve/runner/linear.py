@@ -50,7 +50,10 @@ class Linear(nn.Module):
         else:
             y = quantized_apply(self, x)
         if self.lora is not None:  # before the all-reduce: a row-parallel rank's update is partial too
-            y = self.lora(y, x)
+            if torch.compiler.is_compiling():  # NOTE: an opaque op; the step's mapping is read eagerly
+                torch.ops.modserve.lora_add(y, x, self.lora_index)
+            else:
+                y = self.lora(y, x)
         return self.tp.all_reduce(y) if self.spec.parallel == "row" else y  # the ranks' partial sums
 
     def load(self, name: str, tensor: torch.Tensor | CheckpointTensor, shard: int = 0) -> None:

@@ -10,7 +10,9 @@ as attention's metadata does from the forward context.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import threading
+import weakref
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Iterator
@@ -24,6 +26,21 @@ from modserve.runner.linear import Linear
 from modserve.runner.lora_adapter import LoRAAdapter, load_adapter
 
 _local = threading.local()
+_layers: weakref.WeakValueDictionary[int, LinearLoRA] = weakref.WeakValueDictionary()  # index -> layer
+_indices = itertools.count()
+
+
+@torch.library.custom_op("modserve::lora_add", mutates_args=("y",))
+def _lora_add_op(y: torch.Tensor, x: torch.Tensor, index: int) -> None:
+    """Layer ``index``'s update under torch.compile: opaque to dynamo, as attention is, so each
+    step's mapping is read here, eagerly, and one graph serves every step and layer (the index,
+    an int on the Linear module, is a graph input)."""
+    _layers[index](y, x)
+
+
+@_lora_add_op.register_fake
+def _(y: torch.Tensor, x: torch.Tensor, index: int) -> None:
+    return None
 
 
 class TorchLoRAKernel(LoRAKernel):
@@ -66,6 +83,8 @@ class LinearLoRA:
         new = dict(dtype=spec.dtype, device=spec.device)
         self.a = [torch.zeros(max_loras, max_rank, spec.in_features, **new) for _ in spec.shard_sizes]
         self.b = [torch.zeros(max_loras, size, max_rank, **new) for size in spec.shard_sizes]
+        self.index = next(_indices)  # the compiled path's name for it (_lora_add_op)
+        _layers[self.index] = self
 
     def __call__(self, y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:  # y [T, out] += x [T, in]'s update
         mapping: LoRAMapping | None = getattr(_local, "mapping", None)
@@ -114,10 +133,12 @@ class LoRASlots:
             raise ValueError(f"{type(model).__name__} does not support LoRA adapters (enable_lora)")
         self.locate, self.max_rank, self.max_cpu_loras = locate, max_rank, max_cpu_loras
         self.scaling = [0.0] * max_loras
+        self.ranks = [max_rank] * max_loras  # slot -> its adapter's rank (zero past it)
         self.layers: dict[str, LinearLoRA] = {}
         for name, module in model.named_modules():
             if isinstance(module, Linear):
                 module.lora = LinearLoRA(module, max_loras, max_rank, kernel, self.scaling)
+                module.lora_index = module.lora.index
                 self.layers[name] = module.lora
         self.slots: OrderedDict[int, int] = OrderedDict()  # lora_int_id -> slot, least recently used first
         self.free = list(range(max_loras))
@@ -157,7 +178,7 @@ class LoRASlots:
             index = None if len(rows) == step.num_rows else torch.tensor(rows, dtype=torch.int64,
                                                                           device=self._device())
             groups.append((slot, index))
-        return LoRAMapping(groups)
+        return LoRAMapping(groups, [self.ranks[slot] for slot, _ in groups])
 
     def _slot(self, request: LoRARequest, in_step: set[int]) -> int:
         key = request.lora_int_id
@@ -180,7 +201,7 @@ class LoRASlots:
                 target, shard = self.locate(module)
                 layer = self.layers[target]
                 layer.set(slot, shard, a.to(layer.spec.dtype), b.to(layer.spec.dtype))
-        self.scaling[slot] = adapter.scaling
+        self.scaling[slot], self.ranks[slot] = adapter.scaling, adapter.rank
         self.slots[key], self.held[slot] = slot, request
         return slot
 

@@ -51,8 +51,13 @@ class RunModel:
 
 
 @dataclass(frozen=True, slots=True)
+class ReadStageTimes:
+    """Every rank answers the wall time it spent inside its stage's layers (pipeline parallel)."""
+
+
+@dataclass(frozen=True, slots=True)
 class Stop:
     """The engine stops: a rank > 0 lets go of its KV connector and leaves its loop."""
 
 
-RankMessage = AllocateKVCache | LoadKV | RunModel | Stop
+RankMessage = AllocateKVCache | LoadKV | RunModel | ReadStageTimes | Stop

@@ -6,6 +6,8 @@ import dataclasses
 import itertools
 import logging
 import re
+import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable, ClassVar
 
@@ -17,6 +19,8 @@ from modserve.core.config import EngineConfig
 from modserve.runner.sampling import (bad_word_bans, bad_word_rows, fill_token_bitmask, joined_bitmask,
                                       logit_bias_entries, token_rule_bitmask)
 from modserve.runner.forward_context import after_each_layer
+from modserve.runner.input_batch import InputBatch
+from modserve.runner.kv_saves import GuardedSaves
 from modserve.runner.logits_processors import LogitsProcessors
 from modserve.core.contracts.attention_backend import AttentionMetadata, AttentionSpec
 from modserve.core.contracts.kv_connector import BlockTransfer, KVConnector, KVConnectorContext
@@ -27,7 +31,7 @@ from modserve.core.lora_request import LoRARequest
 from modserve.runner.lora import LoRASlots, LoRAStep, TorchLoRAKernel, lora_mapping
 from modserve.runner.linear import Unquantized, default_dtype, finish_linears, linear_factory, model_bytes
 from modserve.runner.loader import checkpoint_digest, checkpoint_dtype, iter_weights, load_hf_config
-from modserve.runner.messages import AllocateKVCache, LoadKV, RankMessage, RunModel
+from modserve.runner.messages import AllocateKVCache, LoadKV, RankMessage, ReadStageTimes, RunModel
 from modserve.runner.parallel import PipelineStage, RanksOutOfStep, TensorParallel
 from modserve.core.plugin_calls import broke, calling, described, sampled_ids
 from modserve.runner.quantization import kv_cache_dtype, select_quantizer
@@ -90,7 +94,19 @@ def _join_rows(parts: list[SamplerOutput]) -> SamplerOutput | None:
     return out
 
 
+@dataclass(slots=True)
+class StepInFlight:
+    """A submitted step (:meth:`ModelRunner.submit`), until :meth:`ModelRunner.collect` samples it."""
+
+    scheduled: ScheduledStep
+    batch: ModelInput
+    logits: list[torch.Tensor | None] | None  # per row set [R, vocab]; None: the last stage still sends them
+    shapes: list[tuple[int, int] | None]  # each row set's logits' shape, None for an empty one
+
+
 class ModelRunner:
+    in_flight = False  # pipeline_in_flight at pipeline_parallel_size > 1 (set in __init__)
+
     def __init__(self, config: EngineConfig, hf_config: Any, registry: Registry, dtype: torch.dtype,
                  max_model_len: int, eos_token_ids: set[int], progress: bool = True,
                  platform: Platform | None = None, tp: TensorParallel = TensorParallel(),
@@ -145,14 +161,24 @@ class ModelRunner:
             self.connector = registry.create("kv_connector", config.kv_connector, KVConnectorContext(
                 config.kv_role, self.attn_spec, self.layers, f"{checkpoint_digest(config.model)}-{layout}",
                 tp.rank, tp.size))
+        self.kv_saves = GuardedSaves(self.connector) if self.connector is not None else None
         self.max_model_len = max_model_len
         self.kv_caches: list[torch.Tensor] = []
         self.cache_in_host_memory = self.platform.shares_host_memory()  # copies into it block (move_blocks)
         self.step_forward: StepForward = self._forward  # the platform's CUDA graphs, once the cache exists
         self._first_rows: dict[int, torch.Tensor] = {}  # n -> [n] int64 0 .. n - 1 (_row_index)
+        # The step's rows kept across steps (block tables, settings); a batch in flight per stage
+        self.input_batch = InputBatch(config.max_num_seqs, -(-max_model_len // self.block_size) + 1,
+                                      self.block_size, self.device, depth=pp.size + 1, sent=tp.size * pp.size > 1)
         # The sampling settings' tensors of the last step's sequences, while the same ones follow,
         # and their rows with bad words of several tokens (bad_word_rows)
         self._settings: tuple[tuple[Sequence, ...], SamplingBatch, list[tuple[int, list[list[int]]]]] | None = None
+        # pipeline_in_flight: rank 0 sends a step's message and runs stage 0 without waiting for
+        # the later stages (they may be busy with earlier steps); its logits are taken by collect()
+        self.in_flight = config.pipeline_in_flight and pp.size > 1
+        self._sends: list[tuple[Any, torch.Tensor]] = []  # this rank's sends of its last step, kept alive
+        self._broadcasts: deque[tuple[Any, torch.Tensor]] = deque()  # rank 0's messages not yet taken
+        self.stage_seconds = 0.0  # wall time inside this stage's layers (pipeline parallel): the bubble
 
     def _load_model(self, registry: Registry, max_model_len: int, progress: bool) -> torch.nn.Module:
         archs = getattr(self.hf_config, "architectures", None) or []
@@ -177,8 +203,8 @@ class ModelRunner:
         finish_linears(model)
         # Compile or not, and weight copies in the layouts its linear method reads: the platform's.
         cfg = self.config
-        finished = self.platform.finish_model(model, ModelLoad(  # LoRA's row mapping is read eagerly, per step
-            "off" if cfg.enable_lora else cfg.compile, cfg.dtype, cfg.prepack_weights, self.dtype,
+        finished = self.platform.finish_model(model, ModelLoad(  # LoRA's row mapping: read in an opaque op
+            cfg.compile, cfg.dtype, cfg.prepack_weights, self.dtype,
             checkpoint_dtype(self.hf_config),
             self.quantizer is not None, self.quantizer is not None and self.quantizer.traceable()))
         self.compiled = finished.compiled
@@ -283,12 +309,31 @@ class ModelRunner:
         """Run one scheduled step: its block moves, then the model on each sequence's
         scheduled tokens (its drafts last); sample for the sequences whose last token the
         step reaches, and verify the drafts of those that speculate."""
+        return self.collect(self.submit(scheduled))
+
+    @torch.inference_mode()
+    def submit(self, scheduled: ScheduledStep) -> StepInFlight:
+        """A step's tensor work on every rank, up to its logits: with ``in_flight``, rank 0 has
+        sent the message and run stage 0 when this returns, the later stages still at work."""
         batch = self._prepare(scheduled.seqs, scheduled.num_new_tokens, scheduled.draft_tokens)
         saves = [t for ts in scheduled.kv_saves.values() for t in ts]
-        logits = self.on_every_rank(RunModel(batch.input_ids, batch.meta,
-                                             [batch.sample_rows, batch.spec_rows, batch.prompt_rows],
-                                             scheduled.copies, scheduled.swap_out, scheduled.swap_in, saves,
+        rows = [batch.sample_rows, batch.spec_rows, batch.prompt_rows]
+        logits = self.on_every_rank(RunModel(batch.input_ids, batch.meta, rows, scheduled.copies,
+                                             scheduled.swap_out, scheduled.swap_in, saves,
                                              self._lora_step(scheduled.seqs, scheduled.num_new_tokens)))
+        return StepInFlight(scheduled, batch, logits if self.pp.size == 1 else None,
+                            [(r.numel(), self.vocab_size) if r.numel() else None for r in rows])
+
+    def take_logits(self, step: StepInFlight) -> list[torch.Tensor | None]:
+        """The step's logits ``[R, vocab]`` per row set: from the last stage when it sends them."""
+        if step.logits is None:
+            step.logits = self.pp.logits_from_last(step.shapes, torch.float32, self.device)
+        return step.logits
+
+    @torch.inference_mode()
+    def collect(self, step: StepInFlight) -> ModelOutput:
+        """Sample a submitted step (steps are collected in the order they were submitted)."""
+        batch, scheduled, logits = step.batch, step.scheduled, self.take_logits(step)
         out, parts = ModelOutput(), []
         if batch.sampled:
             seqs, samples, tokens = self._sample(batch.sampled, logits[0])
@@ -325,45 +370,47 @@ class ModelRunner:
                    logit_rows: list[torch.Tensor]) -> list[torch.Tensor | None]:
         """This pipeline stage's part of a step: its micro-batches one after another, each the
         previous stage's hidden states in, this stage's layers, out to the next (sent without
-        waiting: the next micro-batch starts meanwhile). The last stage's logits (float32) go
-        to rank 0, which samples: rank 0 returns them, the last stage's ranks their own, the
-        other ranks nothing."""
+        waiting: the next micro-batch, or the next step, starts meanwhile). The last stage's
+        logits (float32) go to rank 0, which samples (:meth:`take_logits`): the last stage's
+        ranks return their own, the other ranks nothing."""
         pp = self.pp
         count = micro_batch_count(self.config.pipeline_micro_batches, pp.size, meta.num_tokens)
         parts = split_batch(input_ids, meta, logit_rows, count)
         sends, logits = [], []
         for ids, part_meta, rows in parts:
             like = torch.empty(ids.shape[0], self.hf_config.hidden_size, dtype=self.dtype, device=self.device)
-            hidden = self._forward(ids, part_meta, None if pp.first else pp.recv_prev(like))
+            prev = None if pp.first else pp.recv_prev(like)
+            start = time.perf_counter()
+            hidden = self._forward(ids, part_meta, prev)
             if pp.last:
                 logits.append([self.model.compute_logits(hidden[r]).float() if r.numel() else None for r in rows])
-            else:
+            self.stage_seconds += time.perf_counter() - start
+            if not pp.last:
                 sends.append(pp.send_next(hidden))  # (work, tensor): the tensor lives until its send is done
-        for work, _ in sends:
+        if pp.last:
+            logits = [torch.cat([p[i] for p in logits if p[i] is not None]) if logit_rows[i].numel() else None
+                      for i in range(len(logit_rows))]
+            if self.tp.rank == 0:
+                sends.extend(pp.logits_to_rank0(logits))
+        # NOTE: the last step's sends are waited for only now: gloo's send returns once the
+        # receiver takes it, and the next stage may still be busy with an earlier step.
+        for work, _ in self._sends:
             work.wait()
-        if not pp.last:
-            shapes = [(rows.numel(), self.vocab_size) if rows.numel() else None for rows in logit_rows]
-            return pp.logits_from_last(shapes, torch.float32, self.device) if self.tp.driver else []
-        joined = [torch.cat([p[i] for p in logits if p[i] is not None]) if logit_rows[i].numel() else None
-                  for i in range(len(logit_rows))]
-        if self.tp.rank == 0:
-            pp.logits_to_rank0(joined)
-        return joined
+        self._sends = sends
+        return logits if pp.last else []
 
     def _saving_forward(self, input_ids: torch.Tensor, meta: AttentionMetadata,
                         kv_saves: list[BlockTransfer]) -> torch.Tensor:  # [T, hidden]
-        """The forward, the KV connector saving ``kv_saves`` from each layer as it is written."""
-        connector = self.connector
-
-        def save(layer: int, kv_cache: torch.Tensor) -> None:
-            with calling(connector, "kv_connector", "save_layer()"):
-                connector.save_layer(layer, kv_cache, kv_saves)
-
-        with after_each_layer(save):
+        """The forward, the KV connector saving ``kv_saves`` from each layer as it is written
+        (a save that fails is skipped and counted: kv_saves.py)."""
+        with after_each_layer(self.kv_saves.layer_hook(kv_saves)):
             hidden = self._forward(input_ids, meta)
-        with calling(connector, "kv_connector", "finish_saves()"):
-            connector.finish_saves()
+        self.kv_saves.finish()
         return hidden
+
+    def connector_stats(self) -> dict[str, float]:
+        """The KV connector's counters, and this rank's steps whose saves failed."""
+        return {**self.connector.stats(), "save_failures": self.kv_saves.failures}
 
     def load_kv(self, transfers: list[BlockTransfer]) -> list[int]:
         """The KV connector loads these blocks on every rank; the indices of those that
@@ -384,20 +431,34 @@ class ModelRunner:
             failed = self.tp.all_reduce(flags).nonzero().flatten().tolist()
         return sorted(set(failed))
 
+    def _read_stage_times(self, message: ReadStageTimes) -> list[list[int]]:
+        return self.tp.all_ranks([round(self.stage_seconds * 1e9)])  # every rank's, in ns
+
     # -- what ranks > 0 can be asked to do (messages.py) ---------------------------------
     # Each message and what every rank runs for it; Stop ends a worker's loop instead.
     HANDLERS: ClassVar[dict[type, Callable[[ModelRunner, Any], Any]]] = {
         AllocateKVCache: _allocate_kv_cache,
         RunModel: _run_model,
         LoadKV: _load_kv,
+        ReadStageTimes: _read_stage_times,
     }
+
+    def stage_times(self) -> list[float]:
+        """Seconds each rank (by global rank) spent inside its stage's layers so far: a stage's
+        busy time; over the wall time, 1 minus it is the stage's idle fraction (the bubble)."""
+        return [ns / 1e9 for ns, in self.on_every_rank(ReadStageTimes())]
 
     def on_every_rank(self, message: RankMessage) -> Any:
         """Carry out ``message`` on every rank: rank 0 sends it to the others first (one broadcast)."""
         handler = self._handler(message)
         if self.tp.size * self.pp.size == 1 or not self.tp.driver:
             return handler(self, message)
-        self.tp.broadcast(message)
+        if self.in_flight:  # the later stages may be busy with earlier steps: don't wait for them
+            while self._broadcasts and self._broadcasts[0][0].is_completed():
+                self._broadcasts.popleft()
+            self._broadcasts.extend(self.tp.broadcast_async(message))
+        else:
+            self.tp.broadcast(message)
         try:
             return handler(self, message)
         except Exception as e:  # the others may wait in a collective rank 0 never reaches: no retry
@@ -460,7 +521,8 @@ class ModelRunner:
         # A speculating sequence computes its last real token, then its drafts.
         chunks = [s.token_ids[c : c + n] if s not in drafts else s.token_ids[c : c + n - len(drafts[s])] + drafts[s]
                   for s, c, n in zip(seqs, ctx, num_new_tokens)]
-        input_ids, meta = build_batch(chunks, ctx, [s.block_ids for s in seqs], self.block_size, self.device)
+        input_ids, meta = self.input_batch.prepare(seqs, chunks, ctx, [len(c) for c in chunks] if drafts
+                                                   else num_new_tokens)
         ends = list(itertools.accumulate(num_new_tokens))
         sampled, sample_rows, speculating, spec_rows = [], [], [], []
         prompt_seqs, prompt_rows, prompt_targets = {}, [], []
@@ -530,17 +592,19 @@ class ModelRunner:
         """The sampler's settings for ``seqs``, one row each. What stays with a sequence (its
         SamplingParams, its generator) is the last call's tensors again while the sequences are
         the same (samplers only read them): made each step, they cost ~0.1 ms of a decode step."""
+        plain = self.input_batch.plain(seqs)  # the batch's rows, none with per-step rules: no pass over them
         if self._settings is None or self._settings[0] != tuple(seqs):
-            self._settings = (tuple(seqs), self._row_settings(seqs), bad_word_rows(seqs))
+            rows = self.input_batch.sampling_settings() if plain else self._row_settings(seqs)
+            self._settings = (tuple(seqs), rows, [] if plain else bad_word_rows(seqs))
         _, rows, word_rows = self._settings
-        banned = [(row, list(s.params.stop_token_ids) + self.eos_token_ids) for row, s in enumerate(seqs)
-                  if s.num_output_tokens < s.params.min_tokens]
+        banned = [] if plain else [(row, list(s.params.stop_token_ids) + self.eos_token_ids)
+                                   for row, s in enumerate(seqs) if s.num_output_tokens < s.params.min_tokens]
         banned += bad_word_bans(seqs, word_rows)  # looks only at rows with bad words of several tokens
         prompt = output = None
         if rows.any_penalty:
             prompt = self._padded([s.prompt_token_ids for s in seqs])
             output = self._padded([s.output_token_ids for s in seqs])
-        grammar = fill_token_bitmask(seqs, self.vocab_size, self.device)
+        grammar = None if plain else fill_token_bitmask(seqs, self.vocab_size, self.device)
         processors = self.logits_processors
         if processors:  # none configured: not a call more
             processors.update(seqs)

@@ -73,6 +73,15 @@ class TensorParallel:
         dist.broadcast(buf, 0, group=self.cpu_group)
         return obj if self.driver else pickle.loads(buf.numpy().tobytes())
 
+    def broadcast_async(self, obj: Any) -> list[tuple[Any, torch.Tensor]]:
+        """Rank 0: :meth:`broadcast` without waiting for the others to take it (gloo's root
+        waits for every receiver otherwise, and a later pipeline stage is busy with an earlier
+        step): the works and the buffers, which must live until each ``wait()`` returns."""
+        data = pickle.dumps(obj)
+        size = torch.tensor([len(data)], dtype=torch.int64)
+        buf = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        return [(dist.broadcast(t, 0, group=self.cpu_group, async_op=True), t) for t in (size, buf)]
+
     def all_ranks(self, values: list[int]) -> list[list[int]]:
         """Every rank's ``values`` (as many on each), by global rank, on the gloo group of
         every rank; without one (a single rank), this rank's alone."""
@@ -128,10 +137,10 @@ class PipelineStage:
         dist.recv(x, self.rank - self.tp_size)
         return x
 
-    def logits_to_rank0(self, logits: list[torch.Tensor | None]) -> None:
-        for t in logits:
-            if t is not None and self.rank != 0:
-                dist.send(t.contiguous(), 0)
+    def logits_to_rank0(self, logits: list[torch.Tensor | None]) -> list[tuple[Any, torch.Tensor]]:
+        """Send without waiting (rank 0 takes them once it has sent its next steps): the
+        works and tensors, as :meth:`send_next`."""
+        return [(dist.isend(t, 0), t) for t in (t.contiguous() for t in logits if t is not None) if self.rank != 0]
 
     def logits_from_last(self, shapes: list[tuple[int, int] | None], dtype: torch.dtype,
                          device: torch.device) -> list[torch.Tensor | None]:

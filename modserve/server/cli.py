@@ -54,6 +54,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if getattr(args, "vllm_headless", None):  # this machine's engine cores only (server/headless.py)
         from modserve.server.headless import run_headless
 
+        if config.data_parallel_backend == "ray":
+            raise SystemExit("--headless starts this machine's engine cores as processes: with "
+                             "--data-parallel-backend ray, Ray places them (run ray start on this machine instead)")
+
         size_local, start_rank, address, rpc_port = dp_layout(args, config)
         return run_headless(config, size_local, start_rank, address, rpc_port)
     host, port = args.host or DEFAULT_HOST, int(args.port or DEFAULT_PORT)
@@ -70,6 +74,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     finally:  # drained and stopped, or failed to start: no engine process outlives the server
         engine.stop()
         engine.shutdown_engine()
+        if config.data_parallel_backend == "ray":  # the cores' actors and placement groups, a cluster started here
+            from modserve.server.ray_cores import shutdown_all
+
+            shutdown_all()
 
 
 def engine_client(config: EngineConfig, args: argparse.Namespace) -> EngineClient:
@@ -100,6 +108,13 @@ def engine_client(config: EngineConfig, args: argparse.Namespace) -> EngineClien
 
         remote = RemoteRanks(size_local, address, rpc_port, config)
         configs = node_configs(config, 0, size_local) + configs[size_local:]  # this machine's memory: its ranks'
+    if config.data_parallel_backend == "ray":  # Ray places every rank (server/ray_cores.py)
+        if remote is not None or rank is not None or getattr(args, "vllm_disable_frontend_multiprocessing", None):
+            raise SystemExit("--data-parallel-backend ray places every rank itself: it takes no "
+                             "--data-parallel-size-local, --data-parallel-rank or --disable-frontend-multiprocessing")
+        from modserve.server.ray_cores import RayRanks
+
+        remote = RayRanks(config, getattr(args, "vllm_data_parallel_address", None), rpc_port)
     if getattr(args, "vllm_disable_frontend_multiprocessing", None):
         engines: list[Any] = []
         try:
@@ -110,7 +125,14 @@ def engine_client(config: EngineConfig, args: argparse.Namespace) -> EngineClien
                 e.shutdown()
             raise
     else:
-        engines = start_engine_processes(configs, first_rank=first, remote=remote)
+        try:
+            engines = start_engine_processes(configs, first_rank=first, remote=remote)
+        except BaseException:
+            if config.data_parallel_backend == "ray":
+                from modserve.server.ray_cores import shutdown_all
+
+                shutdown_all()
+            raise
     if len(engines) > 1:
         return ReplicaSet(engines)
     return engines[0] if not isinstance(engines[0], LLMEngine) else AsyncEngine(engines[0])

@@ -44,6 +44,11 @@ class PluginFailed(EngineError):
     names it. The request is over, the server and the other requests are not."""
 
 
+class KVLoadFailed(EngineError):
+    """The KV connector could not load this request's blocks (kv_load_failure_policy: fail); the
+    message names the connector and how many blocks. Another replica may hold them or compute them."""
+
+
 def engine_error(e: Exception, what: str) -> EngineError:
     """``e`` as the error a request ends with: a PluginError keeps its message (it names the plugin)."""
     if isinstance(e, EngineError):
@@ -188,6 +193,7 @@ class EngineFrontend(EngineClient):
             if isinstance(result, RequestOutput) and result.error is not None:
                 # A fault inside a step, traced to this request alone: the others went on.
                 result = (PluginFailed(result.error) if result.error_kind == "plugin"
+                          else KVLoadFailed(result.error) if result.error_kind == "kv_load"
                           else EngineError(f"the engine failed on this request: {result.error}"))
             ended = isinstance(result, BaseException) or result.finished
             if ended:

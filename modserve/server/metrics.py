@@ -80,7 +80,7 @@ class EngineStatsCollector(Collector):
 # A KV connector's counters (the core's blocks loaded, saved and failed; the connector's own,
 # such as the host tier's hits and bytes), each as modserve_kv_connector_*; sizes are gauges.
 _KV_CONNECTOR_GAUGES = ("kv_connector_host_blocks_total", "kv_connector_host_blocks_used",
-                        "kv_connector_blocks_held")
+                        "kv_connector_blocks_held", "kv_connector_stored_bytes")
 
 
 def _kv_connector(stats: dict[str, Any]) -> Iterator[Metric]:

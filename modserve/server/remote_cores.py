@@ -19,6 +19,7 @@ import subprocess
 import threading
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 import zmq
 from zmq.utils.monitor import recv_monitor_message
@@ -122,17 +123,18 @@ def bind_remote_core(dp_rank: int, address: str) -> CoreLaunch:
 
 
 def await_remote_cores(launches: list[CoreLaunch], address: str, port: int, config: EngineConfig,
-                       timeout: float) -> None:
+                       timeout: float, failed: Callable[[], str | None] | None = None) -> None:
     """Answer the handshakes on ``tcp://address:port`` until every rank of ``launches`` joined,
-    refusing a rank whose config differs from ``config``; EngineStartError after ``timeout``."""
+    refusing a rank whose config differs from ``config``; EngineStartError after ``timeout``, or
+    once ``failed`` names why a rank will not come (cores this server had started: Ray's)."""
     waiting = {launch.dp_rank: launch for launch in launches}
     mine = h.fingerprint(config)
     context = zmq.Context()
     router = context.socket(zmq.ROUTER)
     router.setsockopt(zmq.LINGER, 1000)  # the last answer still goes out
     router.bind(f"tcp://{address}:{port}")
-    logger.info("data parallel: waiting for rank(s) %s to join at tcp://%s:%d (modserve serve --headless on "
-                "their machines)", sorted(waiting), address, port)
+    logger.info("data parallel: waiting for rank(s) %s to join at tcp://%s:%d (%s)", sorted(waiting), address, port,
+                "modserve serve --headless on their machines" if failed is None else "their Ray actors")
     started = last_log = time.monotonic()
     try:
         while waiting:
@@ -141,6 +143,8 @@ def await_remote_cores(launches: list[CoreLaunch], address: str, port: int, conf
                 router.send_multipart([identity, h.encode(_answer(h.decode_handshake(data), waiting, mine))])
                 continue
             now = time.monotonic()
+            if failed is not None and (why := failed()) is not None:
+                raise EngineStartError(f"data-parallel rank(s) {sorted(waiting)} will not join: {why}")
             if now - started > timeout:
                 raise EngineStartError(f"data-parallel rank(s) {sorted(waiting)} did not join at tcp://{address}:"
                                        f"{port} within {timeout:g} s (VLLM_ENGINE_READY_TIMEOUT_S)")

@@ -2,9 +2,12 @@
 producer) and a decode server (the KV consumer), as vLLM's disaggregated-prefill proxy does it.
 
 Each completion is sent twice: first to the prefill server with ``max_tokens=1`` (it computes
-the prompt's KV, which its KV connector hands on), then, once that has answered, unchanged to
-the decode server, whose answer the client gets, streamed chunk by chunk when it asked for a
-stream. docs/disaggregation.md has the commands that start the three processes.
+the prompt's KV, which its KV connector hands on), then, once that has answered, to the decode
+server, whose answer the client gets, streamed event by event when it asked for a stream. A
+prefill answer that carries vLLM's ``kv_transfer_params`` (where the KV is) has them put on the
+decode request; without them the decode server finds the KV by content. The decode server's
+health is checked (cached briefly) before a prefill is spent on it. docs/disaggregation.md has
+the commands that start the three processes.
 """
 
 from __future__ import annotations
@@ -15,17 +18,21 @@ import logging
 import time
 import uuid
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
 from typing import Any, AsyncIterator
 
 import anyio
 import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
 from starlette.types import Receive, Scope, Send
 
 from modserve.server.errors import APIError
+from modserve.server.router_metrics import RouterMetrics
+from modserve.server.router_timeouts import Timeouts
+from modserve.server.router_upstreams import (CachedHealth, Upstream, decode_down, failure_kind,
+                                              health_problem, unreachable)
 
 logger = logging.getLogger("modserve.router")
 
@@ -36,30 +43,24 @@ RETURNED_HEADERS = ("retry-after", "www-authenticate")
 REQUEST_ID_HEADER = "x-request-id"
 PREFILL_MS_HEADER = "x-modserve-prefill-ms"
 DECODE_HEADERS_MS_HEADER = "x-modserve-decode-headers-ms"
+KV_PARAMS = "kv_transfer_params"
+# The prefill server's 400 to do_remote_decode when its connector keeps no KV for a decode server.
+NO_PARAMS_PARAM = f"{KV_PARAMS}.do_remote_decode"
+SSE_DONE = b"data: [DONE]\n\n"
 
 
-@dataclass(frozen=True, slots=True)
-class Upstream:
-    role: str  # "prefill" or "decode": named in every error about it
-    url: str  # http://host:port, no trailing slash
-
-
-def prefill_body(body: dict[str, Any]) -> dict[str, Any]:
+def prefill_body(body: dict[str, Any], params: bool) -> dict[str, Any]:
     """The request the prefill server gets: one token, one sample, no stream. Its only job is
-    the prompt's KV; the decode server generates everything the client sees."""
-    out = {k: v for k, v in body.items() if k != "stream_options"}  # refused without stream
+    the prompt's KV; the decode server generates everything the client sees. ``params``: ask
+    it, as vLLM's proxy does, to keep the KV for a decode server and say where in its answer."""
+    # stream_options: refused without a stream; the client's own kv_transfer_params: the router pairs the two
+    out = {k: v for k, v in body.items() if k not in ("stream_options", KV_PARAMS)}
     out.update(max_tokens=1, stream=False, n=1)
+    if params:
+        out[KV_PARAMS] = {"do_remote_decode": True}
     if "max_completion_tokens" in out:  # chat's newer spelling wins over max_tokens on the server
         out["max_completion_tokens"] = 1
     return out
-
-
-def unreachable(upstream: Upstream, exc: httpx.TransportError) -> APIError:
-    what = "did not answer in time" if isinstance(exc, httpx.TimeoutException) else "is unreachable"
-    return APIError(504 if isinstance(exc, httpx.TimeoutException) else 502,
-                    f"the {upstream.role} server at {upstream.url} {what}: {exc!r}",
-                    type="server_error", code=f"{upstream.role}_unreachable",
-                    headers={"x-modserve-upstream": upstream.role})
 
 
 def passthrough(resp: httpx.Response, upstream: Upstream, headers: dict[str, str] | None = None) -> Response:
@@ -70,26 +71,62 @@ def passthrough(resp: httpx.Response, upstream: Upstream, headers: dict[str, str
                     media_type=resp.headers.get("content-type"))
 
 
+def transfer_params(resp: httpx.Response) -> dict[str, Any] | None:
+    """The ``kv_transfer_params`` of a prefill answer, None if it has none."""
+    try:
+        params = resp.json().get(KV_PARAMS)
+    except (ValueError, AttributeError):
+        return None
+    return params if isinstance(params, dict) else None
+
+
+def refuses_params(resp: httpx.Response) -> bool:
+    """Whether a prefill answer is the 400 of a server whose connector keeps no KV for a decode
+    server (no connector, or a consumer's): it takes requests, but not do_remote_decode."""
+    if resp.status_code != 400:
+        return False
+    try:
+        return resp.json()["error"]["param"] == NO_PARAMS_PARAM
+    except (ValueError, KeyError, TypeError):
+        return False
+
+
 class RelayedStream(StreamingResponse):
-    """The decode server's SSE stream, relayed chunk by chunk as it arrives.
+    """The decode server's SSE stream, relayed event by event as it arrives.
+
+    Only whole events go out (a chunk's unfinished tail waits for the rest), so a decode server
+    that fails mid-stream leaves no half event before the error event and ``[DONE]`` the client
+    gets instead of a broken connection.
 
     NOTE: the upstream stream is closed in ``__call__``'s finally whatever ends the relay (its
     end, the client going away, a cancellation), shielded from the cancellation itself: closing
     the connection mid-body is what tells the decode server to abort the request and free its KV.
     """
 
-    def __init__(self, upstream: httpx.Response, headers: dict[str, str], on_done: Any) -> None:
+    def __init__(self, upstream: httpx.Response, headers: dict[str, str], on_done: Any, on_error: Any) -> None:
         self.upstream = upstream
         self.first_byte: float | None = None
-        self.on_done = on_done
+        self.on_done, self.on_error = on_done, on_error
         super().__init__(self._relay(), status_code=upstream.status_code, headers=headers,
                          media_type=upstream.headers.get("content-type", "text/event-stream"))
 
     async def _relay(self) -> AsyncIterator[bytes]:
-        async for chunk in self.upstream.aiter_raw():
-            if self.first_byte is None:
-                self.first_byte = time.perf_counter()
-            yield chunk
+        tail = b""
+        try:
+            async for chunk in self.upstream.aiter_raw():
+                if self.first_byte is None:
+                    self.first_byte = time.perf_counter()
+                tail += chunk
+                end = tail.rfind(b"\n\n") + 2
+                if end > 1:
+                    yield tail[:end]
+                    tail = tail[end:]
+        except httpx.TransportError as e:  # killed, reset, or silent past the read timeout
+            error: APIError = self.on_error(e)
+            yield b"data: " + json.dumps(error.body()).encode() + b"\n\n" + SSE_DONE
+            return
+        if tail:
+            yield tail
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
@@ -100,26 +137,37 @@ class RelayedStream(StreamingResponse):
             self.on_done(self.first_byte)
 
 
-def create_router_app(prefill_url: str, decode_url: str, timeout: float | None = 3600.0) -> FastAPI:
-    """The router in front of ``prefill_url`` and ``decode_url``. ``timeout``: seconds an upstream
-    may go silent (connecting takes at most 10 s); None waits forever."""
+def create_router_app(prefill_url: str, decode_url: str, timeouts: Timeouts = Timeouts()) -> FastAPI:
+    """The router in front of ``prefill_url`` and ``decode_url``."""
     prefill, decode = Upstream("prefill", prefill_url.rstrip("/")), Upstream("decode", decode_url.rstrip("/"))
-    client: httpx.AsyncClient | None = None
+    metrics = RouterMetrics()
+    client: httpx.AsyncClient | None = None  # the requests'
+    prober: httpx.AsyncClient | None = None  # /health and /metrics': a frozen upstream must not hold them long
+    decode_health = CachedHealth(lambda: health_problem(prober, decode, timeouts), timeouts.health_ttl)
+    takes_params = True  # until the prefill server refuses do_remote_decode
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        nonlocal client
+        nonlocal client, prober
         # No pool limit: the router must never queue what the servers would take (they
         # refuse with 503 themselves when full, and that answer is passed on).
         limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
-        client = httpx.AsyncClient(timeout=httpx.Timeout(timeout, connect=10.0), limits=limits)
+        client = httpx.AsyncClient(timeout=timeouts.client(), limits=limits)
+        prober = httpx.AsyncClient(timeout=timeouts.health, limits=httpx.Limits(max_connections=None))
         logger.info("routing: prefill %s, decode %s", prefill.url, decode.url)
         try:
             yield
         finally:
             await client.aclose()
+            await prober.aclose()
 
     app = FastAPI(title="modserve router", lifespan=lifespan)
+
+    def failed(upstream: Upstream, exc: httpx.TransportError) -> APIError:
+        metrics.errors.labels(upstream.role, failure_kind(exc)).inc()
+        if upstream is decode:
+            decode_health.forget()  # the next request asks it afresh
+        return unreachable(upstream, exc, timeouts)
 
     async def send(upstream: Upstream, method: str, path: str, headers: dict[str, str],
                    body: bytes | None = None, stream: bool = False) -> httpx.Response:
@@ -128,30 +176,56 @@ def create_router_app(prefill_url: str, decode_url: str, timeout: float | None =
         try:
             return await client.send(request, stream=stream)
         except httpx.TransportError as e:
-            raise unreachable(upstream, e) from None
+            raise failed(upstream, e) from None
+
+    async def prime(path: str, headers: dict[str, str], raw: bytes, body: Any) -> httpx.Response:
+        """The prefill request. A body that is not a JSON object goes as it came: its 400 says
+        what is wrong in the server's own words, and the decode server is never asked."""
+        nonlocal takes_params
+        if not isinstance(body, dict):
+            return await send(prefill, "POST", path, headers, raw)
+        asked = takes_params
+        resp = await send(prefill, "POST", path, headers, json.dumps(prefill_body(body, asked)).encode())
+        if asked and refuses_params(resp):
+            takes_params = False
+            logger.info("the prefill server at %s answers no kv_transfer_params (%s): the decode server finds "
+                        "the KV by content", prefill.url, resp.json()["error"]["message"])
+            resp = await send(prefill, "POST", path, headers, json.dumps(prefill_body(body, False)).encode())
+        return resp
 
     async def route(request: Request, path: str) -> Response:
         start = time.perf_counter()
+        metrics.requests.labels(path).inc()
         raw = await request.body()
         headers = {k: v for k, v in request.headers.items() if k in FORWARDED_HEADERS}
         # The same id on both servers: a KV connector may pair the two requests by it.
         rid = request.headers.get(REQUEST_ID_HEADER) or uuid.uuid4().hex
         headers[REQUEST_ID_HEADER] = rid
+        if (problem := await decode_health.get()) is not None:
+            metrics.errors.labels(decode.role, "unhealthy").inc()
+            logger.info("%s %s: not routed: %s", path, rid, problem)
+            raise decode_down(decode, problem, timeouts.health_ttl)
         try:
             body = json.loads(raw)
         except ValueError:
             body = None
-        # A body that is not a JSON object goes to the prefill server as it came: its 400 says
-        # what is wrong in the server's own words, and the decode server is never asked.
-        first = prefill_body(body) if isinstance(body, dict) else None
-        primed = await send(prefill, "POST", path, headers, raw if first is None else json.dumps(first).encode())
-        prefill_ms = (time.perf_counter() - start) * 1e3
+        asked = time.perf_counter()
+        primed = await prime(path, headers, raw, body)
+        prefill_ms = (time.perf_counter() - asked) * 1e3
+        metrics.prefill.observe(prefill_ms / 1e3)
         timing = {REQUEST_ID_HEADER: rid, PREFILL_MS_HEADER: f"{prefill_ms:.1f}"}
         if not primed.is_success:
             logger.info("%s %s: prefill answered %d in %.1f ms; not sent to decode", path, rid,
                         primed.status_code, prefill_ms)
             return passthrough(primed, prefill, timing)
+        params = transfer_params(primed)
+        if params is not None:  # where the prefill server keeps the KV, for the decode server's connector
+            raw = json.dumps({**body, KV_PARAMS: params}).encode()
+        return await finish(path, rid, headers, raw, body, timing, start)
 
+    async def finish(path: str, rid: str, headers: dict[str, str], raw: bytes, body: Any,
+                     timing: dict[str, str], start: float) -> Response:
+        """The decode request, its answer relayed."""
         streamed = isinstance(body, dict) and body.get("stream") is True
         sent = time.perf_counter()
         resp = await send(decode, "POST", path, headers, raw, stream=streamed)
@@ -159,8 +233,13 @@ def create_router_app(prefill_url: str, decode_url: str, timeout: float | None =
 
         def done(first_byte: float | None) -> None:
             first_ms = "none" if first_byte is None else f"{(first_byte - sent) * 1e3:.1f} ms"
-            logger.info("%s %s: prefill %.1f ms, decode %d, first byte %s, total %.1f ms", path, rid, prefill_ms,
-                        resp.status_code, first_ms, (time.perf_counter() - start) * 1e3)
+            logger.info("%s %s: prefill %s ms, decode %d, first byte %s, total %.1f ms", path, rid,
+                        timing[PREFILL_MS_HEADER], resp.status_code, first_ms, (time.perf_counter() - start) * 1e3)
+
+        def broken(exc: httpx.TransportError) -> APIError:
+            logger.warning("%s %s: the decode server at %s failed mid-stream (%r); the client got an error event",
+                           path, rid, decode.url, exc)
+            return failed(decode, exc)
 
         if not streamed:
             done(time.perf_counter())  # read whole: its first byte came with its last
@@ -170,7 +249,7 @@ def create_router_app(prefill_url: str, decode_url: str, timeout: float | None =
             await resp.aclose()
             done(None)
             return passthrough(resp, decode, timing)
-        return RelayedStream(resp, {"x-modserve-upstream": decode.role, **timing}, done)
+        return RelayedStream(resp, {"x-modserve-upstream": decode.role, **timing}, done, broken)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
@@ -194,18 +273,28 @@ def create_router_app(prefill_url: str, decode_url: str, timeout: float | None =
 
     @app.get("/health")
     async def health() -> Response:
-        async def check(upstream: Upstream) -> str | None:
-            try:
-                resp = await send(upstream, "GET", "/health", {})
-            except APIError as e:
-                return e.message
-            return None if resp.status_code == 200 else f"the {upstream.role} server at {upstream.url} " \
-                                                         f"answered {resp.status_code}"
-
-        problems = [p for p in await asyncio.gather(check(prefill), check(decode)) if p]
-        if problems:
-            raise APIError(503, "; ".join(problems), type="server_error", code="upstream_unhealthy")
+        """Both upstreams asked afresh, each within the health timeout."""
+        problems = await asyncio.gather(health_problem(prober, prefill, timeouts),
+                                        health_problem(prober, decode, timeouts))
+        decode_health.store(problems[1])
+        if any(problems):
+            raise APIError(503, "; ".join(p for p in problems if p), type="server_error", code="upstream_unhealthy")
         return JSONResponse({"status": "ok", "prefill": prefill.url, "decode": decode.url})
+
+    @app.get("/metrics")
+    async def scrape(request: Request) -> Response:
+        headers = {k: v for k, v in request.headers.items() if k == "authorization"}
+
+        async def text(upstream: Upstream) -> str | None:
+            try:
+                resp = await prober.get(f"{upstream.url}/metrics", headers=headers)
+            except httpx.TransportError as e:
+                metrics.errors.labels(upstream.role, failure_kind(e)).inc()
+                return None
+            return resp.text if resp.status_code == 200 else None
+
+        scraped = await asyncio.gather(text(prefill), text(decode))
+        return Response(metrics.render(zip((prefill, decode), scraped)), media_type=CONTENT_TYPE_LATEST)
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, exc: APIError) -> Response:

@@ -6,6 +6,8 @@ import argparse
 from typing import Any
 from urllib.parse import urlsplit
 
+from modserve.server.router_timeouts import Timeouts
+
 DEFAULT_HOST, DEFAULT_PORT = "127.0.0.1", 8000
 
 
@@ -17,6 +19,13 @@ def upstream_url(value: str) -> str:
         raise argparse.ArgumentTypeError(f"{value!r}: give the server's root (http://HOST:PORT), not a path; "
                                          "the router adds /v1/...")
     return f"{parts.scheme}://{parts.netloc}"
+
+
+def positive(value: str) -> float:
+    seconds = float(value)
+    if not seconds > 0:
+        raise argparse.ArgumentTypeError(f"{value!r}: give a number of seconds above 0")
+    return seconds
 
 
 def add_parsers(subparsers: Any) -> None:
@@ -31,9 +40,18 @@ def add_parsers(subparsers: Any) -> None:
                    help="the decode server, e.g. http://localhost:8200")
     p.add_argument("--host", default=DEFAULT_HOST, help=f"address to bind (default: {DEFAULT_HOST})")
     p.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"(default: {DEFAULT_PORT})")
-    p.add_argument("--timeout", type=float, default=3600.0,
-                   help="seconds an upstream server may stay silent before the request fails with 504 "
-                        "(default: 3600; 0: no limit)")
+    d = Timeouts()
+    p.add_argument("--connect-timeout", type=positive, default=d.connect, metavar="S",
+                   help=f"seconds an upstream may take to accept a connection; past it 504 (default: {d.connect:g})")
+    p.add_argument("--read-timeout", "--timeout", type=float, default=d.read, metavar="S",
+                   help="seconds an upstream may stay silent (a whole non-streamed answer, or between two stream "
+                        f"events) before the request fails with 504 or an error event (default: {d.read:g}; 0: no "
+                        "limit)")
+    p.add_argument("--health-timeout", type=positive, default=d.health, metavar="S",
+                   help=f"seconds each upstream's /health (and /metrics) may take (default: {d.health:g})")
+    p.add_argument("--health-ttl", type=float, default=d.health_ttl, metavar="S",
+                   help="seconds the decode server's /health answer is trusted before a request asks again "
+                        f"(default: {d.health_ttl:g}; 0: every request)")
     p.set_defaults(func=cmd_router)
 
 
@@ -42,7 +60,9 @@ def cmd_router(args: argparse.Namespace) -> int:
 
     from modserve.server.router import create_router_app
 
-    app = create_router_app(args.prefill, args.decode, args.timeout or None)
+    timeouts = Timeouts(connect=args.connect_timeout, read=args.read_timeout or None, health=args.health_timeout,
+                        health_ttl=max(0.0, args.health_ttl))
+    app = create_router_app(args.prefill, args.decode, timeouts)
     print(f"\nmodserve router at http://{args.host}:{args.port}/v1: prefill {args.prefill}, decode {args.decode}\n",
           flush=True)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level.lower())

@@ -23,6 +23,7 @@ from modserve.engine.client import EngineClient, OutputStream
 from modserve.engine.preprocess import tokenize_bad_words
 from modserve.server.async_engine import (DEAD_MESSAGE, EngineDead, EngineError, EngineStopped, PluginFailed,
                                           ShuttingDown, StreamStalled)
+from modserve.server.engine_frontend import KVLoadFailed
 from modserve.server.errors import APIError, invalid
 from modserve.generation_defaults import GenerationDefaults
 from modserve.server.grammar_bounds import GrammarBounds, check_bounds
@@ -298,6 +299,9 @@ def engine_api_error(e: EngineError) -> APIError:
     logged), but a plugin's error as it is: it names the plugin the operator must look at."""
     if isinstance(e, PluginFailed):
         return APIError(500, str(e), type="server_error", code="plugin_error")
+    if isinstance(e, KVLoadFailed):  # 503: a router retries it where the blocks are, or computes them
+        return APIError(503, f"{e}. Retry it (on another replica) or serve it with kv_load_failure_policy: "
+                        "recompute.", type="server_error", code="kv_load_failed")
     if isinstance(e, EngineStopped):
         return APIError(503, f"This request did not finish: {DEAD_MESSAGE}. Retry it on another replica.",
                         type="server_error", code="engine_dead")

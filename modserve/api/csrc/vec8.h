@@ -1,6 +1,6 @@
-// Eight-float vectors for the C++ CPU kernels (GCC/Clang vector extensions): loads (of
-// float32 or bf16), stores, a horizontal sum and e^x, shared by the decode attention kernel
-// and the native decode step.
+// Eight- and sixteen-float vectors for the C++ CPU kernels (GCC/Clang vector extensions):
+// loads (of float32 or bf16), stores, a horizontal sum and e^x, shared by the decode
+// attention kernel, the native decode step and the LoRA op.
 
 #pragma once
 
@@ -11,6 +11,8 @@ namespace modserve {
 
 // Eight floats, one AVX register where the build has them (GCC/Clang vector extension).
 typedef float v8 __attribute__((vector_size(32)));
+// Sixteen floats: one AVX-512 register, or two (four) narrower ones where the build lacks it.
+typedef float v16 __attribute__((vector_size(64)));
 
 inline v8 load8(const float* p) {
   v8 r;
@@ -27,6 +29,18 @@ inline v8 load8(const uint16_t* p) {
   std::memcpy(&h, p, sizeof h);
   const u32x8 w = __builtin_convertvector(h, u32x8) << 16;
   v8 r;
+  std::memcpy(&r, &w, sizeof r);
+  return r;
+}
+
+// Sixteen bfloat16 values widened to float32, exactly, as load8.
+inline v16 load16(const uint16_t* p) {
+  typedef uint16_t u16x16 __attribute__((vector_size(32)));
+  typedef uint32_t u32x16 __attribute__((vector_size(64)));
+  u16x16 h;
+  std::memcpy(&h, p, sizeof h);
+  const u32x16 w = __builtin_convertvector(h, u32x16) << 16;
+  v16 r;
   std::memcpy(&r, &w, sizeof r);
   return r;
 }

@@ -77,7 +77,7 @@ struct Lanes<8> {
 #ifdef __AVX512F__
 constexpr int kWidest = 16;
 
-typedef float v16 __attribute__((vector_size(64)));
+using modserve::v16;
 typedef int32_t i16 __attribute__((vector_size(64)));
 
 // The sixteen sums of a[0..15], as one vector: four rounds of shuffles and adds, each
@@ -107,16 +107,7 @@ struct Lanes<16> {
     std::memcpy(&r, p, sizeof r);
     return r;
   }
-  static V load(const bf16_bits* p) {  // exact, as load8: a bf16 is the top half of a float32
-    typedef uint16_t u16x16 __attribute__((vector_size(32)));
-    typedef uint32_t u32x16 __attribute__((vector_size(64)));
-    u16x16 h;
-    std::memcpy(&h, p, sizeof h);
-    const u32x16 w = __builtin_convertvector(h, u32x16) << 16;
-    V r;
-    std::memcpy(&r, &w, sizeof r);
-    return r;
-  }
+  static V load(const bf16_bits* p) { return modserve::load16(p); }
   static void store(float* p, V v) { std::memcpy(p, &v, sizeof v); }
   static V splat(float x) { return V{x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x}; }
   static float sum(V v) {

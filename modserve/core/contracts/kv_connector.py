@@ -55,7 +55,10 @@ class KVConnector(ABC):
     failed, per ``kv_load_failure_policy``); ``save_layer`` as each layer's attention
     has written the step's KV, for the full prompt blocks complete by the end of the
     step; ``finish_saves`` after the forward. A save must be loadable once
-    ``finish_saves`` returns, and must never be seen half written.
+    ``finish_saves`` returns, and must never be seen half written. A save that raises
+    (a full disk) costs its blocks, never a request: the core logs and counts it, offers
+    none of the step's later layers, and still calls ``finish_saves``, which must then
+    store only blocks whose every layer it took.
     """
 
     def __init__(self, context: KVConnectorContext, options: BaseModel | None = None) -> None:

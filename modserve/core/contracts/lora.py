@@ -15,9 +15,11 @@ class LoRAMapping:
 
     ``groups``: ``(slot, rows)`` per slot used, rows an int64 index tensor ``[n]`` into the
     batch, or None for every row (a step whose rows all use that slot). Rows of no adapter
-    are in no group."""
+    are in no group. ``ranks``: per group, its adapter's rank ``r`` (A and B are zero past it:
+    a kernel may skip the padding), or None for ``max_rank``."""
 
     groups: list[tuple[int, torch.Tensor | None]]
+    ranks: list[int] | None = None
 
 
 class LoRAKernel(ABC):

@@ -1,9 +1,11 @@
 """ray: one Ray actor per tensor-parallel rank beyond the engine's own, placed by a placement group.
 
 As vLLM's Ray executor: ``ray.init(address, ignore_reinit_error=True)`` (no address: a local
-cluster of this machine, which this executor also stops); a placement group of one bundle per
-rank (``{"CPU": 1}``, or ``{"GPU": 1}`` on CUDA), strategy ``PACK``, bundle 0 held on the
-driver's node, since rank 0 is the engine's own process; rank ``r`` > 0 is an actor on bundle
+cluster of this machine, which this executor also stops and which dies with this process,
+ray_cluster.py); a placement group of one bundle per rank (``{"CPU": 1}``, or ``{"GPU": 1}`` on
+CUDA), strategy ``PACK``, bundle 0 held on the driver's node, since rank 0 is the engine's own
+process (in a data-parallel core's actor, the group that actor runs in, server/ray_cores.py);
+rank ``r`` > 0 is an actor on bundle
 ``r`` whose one call runs :func:`modserve.api.run_worker` until rank 0 stops it. The ranks meet
 at the driver's node IP. Ray is optional: ``pip install modserve[ray]``.
 
@@ -62,7 +64,9 @@ class RayExecutor(Executor):
     def __init__(self, options: RayOptions | None = None) -> None:
         super().__init__(options or RayOptions())
         self.ray = _import_ray()
-        self.started_cluster = False  # this executor's ray.init started the cluster: stop it at shutdown
+        self.started_cluster = False  # this executor started the cluster: stop it at shutdown
+        self.cluster: Any = None  # its LocalCluster (ray_cluster.py)
+        self.owns_pg = True  # False: the placement group of a data-parallel core (server/ray_cores.py)
         self.driver_node_id: str | None = None
         self.pg = None
         self.actors: list[Any] = []  # rank r at index r - 1
@@ -83,9 +87,12 @@ class RayExecutor(Executor):
         ray = self.ray
         if not ray.is_initialized():
             if self._address() is None:
+                from modserve.plugins.executors.ray_cluster import LocalCluster
+
                 num_cpus = self.options.num_cpus or (None if cuda else world)
-                # "local": a new cluster, never one found in /tmp/ray/ray_current_cluster
-                ray.init(address="local", num_cpus=num_cpus, include_dashboard=False)
+                # a new cluster, never one found in /tmp/ray/ray_current_cluster, that dies with this process
+                self.cluster = LocalCluster(num_cpus)
+                ray.init(address=self.cluster.address)
                 self.started_cluster = True
             else:
                 ray.init(address=self._address(), ignore_reinit_error=True)
@@ -111,10 +118,15 @@ class RayExecutor(Executor):
         self._connect(world, cuda)
         try:
             unit = {"GPU": 1.0} if cuda else {"CPU": 1.0}
-            # Bundle 0 is rank 0's (the driver's) share: held on the driver's node, never used by an actor.
-            self.pg = placement_group([dict(unit) for _ in range(world)], strategy="PACK", name="modserve-tp",
-                                      bundle_label_selector=[{NODE_ID_LABEL: self.driver_node_id}]
-                                      + [{} for _ in range(world - 1)])
+            current = ray.util.get_current_placement_group()
+            if current is not None and len(current.bundle_specs) >= world:
+                # rank 0 is a data-parallel core's actor on bundle 0 of its rank's group: the ranks take the rest
+                self.pg, self.owns_pg = current, False
+            else:
+                # Bundle 0 is rank 0's (the driver's) share: held on the driver's node, never used by an actor.
+                self.pg = placement_group([dict(unit) for _ in range(world)], strategy="PACK", name="modserve-tp",
+                                          bundle_label_selector=[{NODE_ID_LABEL: self.driver_node_id}]
+                                          + [{} for _ in range(world - 1)])
             if not self.pg.wait(self.options.placement_timeout):
                 raise RuntimeError(
                     f"ray executor: the cluster could not place {world} bundles of {unit} (one per rank, the "
@@ -198,6 +210,7 @@ class RayExecutor(Executor):
         ray = self.ray
         if not ray.is_initialized():
             self.actors, self.runs, self.wheres, self.pg = [], [], [], None
+            self._stop_cluster()
             return
         from ray.util.placement_group import remove_placement_group
 
@@ -210,15 +223,21 @@ class RayExecutor(Executor):
                 pass
         if self.runs:  # a killed actor's call ends with RayActorError once its process is gone
             ray.wait(self.runs, num_returns=len(self.runs), timeout=self.options.stop_timeout, fetch_local=False)
-        if self.pg is not None:
+        if self.pg is not None and self.owns_pg:
             try:
                 remove_placement_group(self.pg)
             except Exception:  # noqa: BLE001 - already removed
                 pass
         self.actors, self.runs, self.wheres, self.pg = [], [], [], None
+        self._stop_cluster()
+
+    def _stop_cluster(self) -> None:
         if self.started_cluster:
-            ray.shutdown(wait_for_processes=True)
+            self.ray.shutdown()
             self.started_cluster = False
+        if self.cluster is not None:
+            self.cluster.stop()
+            self.cluster = None
 
 
 def _first_lines(e: BaseException, n: int = 6) -> str:

@@ -62,12 +62,14 @@ class BlockStore(KVConnector):
             self._pending.setdefault(t.key, {})[layer] = kv_cache[:, t.block_id].to("cpu", copy=True)
 
     def finish_saves(self) -> None:
-        for key, layers in self._pending.items():
+        pending, self._pending = self._pending, {}  # taken first: a write that raises leaves none behind
+        for key, layers in pending.items():
+            if len(layers) < len(self.context.layers):  # a save_layer of this step raised: not whole
+                continue
             block = torch.stack([layers[i] for i in self.context.layers]).contiguous()
             data = block.view(torch.uint8).numpy().tobytes()
             self.write(key, zlib.crc32(data).to_bytes(4, "little") + data)
             self.counters["bytes_saved"] += self.block_bytes
-        self._pending.clear()
 
     def stats(self) -> dict[str, float]:
         return dict(self.counters)

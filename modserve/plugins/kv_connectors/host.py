@@ -41,6 +41,7 @@ class HostMemoryConnector(KVConnector):
                                 pin_memory=cache.device.type == "cuda")
         self.free = list(range(n - 1, -1, -1))
         self.saving: dict[str, int] = {}  # this step's saves: key -> slot
+        self.last_layer: dict[str, int] = {}  # this step's saves: key -> the last layer copied
 
     def stored_blocks(self, keys: list[str]) -> int:
         for i, key in enumerate(keys):
@@ -71,15 +72,20 @@ class HostMemoryConnector(KVConnector):
                 slot = self.saving[t.key] = self._take_slot(t.key)
             if slot >= 0:
                 self.pool[slot, li] = kv_cache[:, t.block_id]
+                self.last_layer[t.key] = li
 
     def finish_saves(self) -> None:
         # The slots are published only now, whole: a block half copied is never found.
         for key, slot in self.saving.items():
             if slot < 0:
                 continue
+            if self.last_layer.get(key) != len(self.context.layers) - 1:  # a save_layer raised: not whole
+                self.free.append(slot)
+                continue
             self.slots[key] = slot
             self.counters["bytes_to_host"] += self.block_bytes
         self.saving.clear()
+        self.last_layer.clear()
 
     def _take_slot(self, key: str) -> int:
         """A slot for ``key``: its old one, a free one, or the least recently used one's;

@@ -133,6 +133,7 @@ class MooncakeConnector(KVConnector):
             self._register(self.pool.data_ptr(), self.pool.numel() * self.pool.element_size())
             self.free = list(range(n - 1, -1, -1))
             self.saving: dict[str, int] = {}  # this step's saves: key -> slot
+            self.last_layer: dict[str, int] = {}  # this step's saves: key -> the last layer copied
             port = opts.bootstrap_port + ctx.tp_rank if opts.bootstrap_port else 0
             self.server = channel.SideChannel(opts.hostname, port, self._answer, self._expire)
             if self.consumes and not opts.remote_bootstrap_addr:
@@ -289,15 +290,20 @@ class MooncakeConnector(KVConnector):
                 slot = self.saving[t.key] = self._take_slot()
             if slot >= 0:
                 self.pool[slot, li] = kv_cache[:, t.block_id]
+                self.last_layer[t.key] = li
 
     def finish_saves(self) -> None:
         if not self.produces:
             return
+        whole = len(self.context.layers) - 1
         deadline = time.monotonic() + self.options.abort_request_timeout
         with self.lock:
             for key, slot in self.saving.items():
                 if slot < 0:
                     self.counters["blocks_not_held"] += 1  # the pool is full of held blocks
+                    continue
+                if self.last_layer.get(key) != whole:  # a save_layer raised: not whole, not held
+                    self.free.append(slot)
                     continue
                 old = self.held.pop(key, None)
                 if old is not None:
@@ -305,6 +311,7 @@ class MooncakeConnector(KVConnector):
                 self.generation += 1
                 self.held[key] = Held(slot, self.generation, deadline)
         self.saving.clear()
+        self.last_layer.clear()
 
     def _take_slot(self) -> int:
         with self.lock:

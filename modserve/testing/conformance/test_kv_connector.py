@@ -119,3 +119,17 @@ def test_a_save_is_a_copy_of_the_block_as_it_was_written(connector: KVConnector)
             assert same_bytes(connector.kv_caches[layer][:, dst], saved[layer][:, src]), (
                 f"layer {layer}: block {src} loaded what the cache held after the save, not at it: a save must "
                 "copy the block, not keep a view of the cache")
+
+
+def test_a_step_whose_save_layer_raised_stores_no_half_block(connector: KVConnector) -> None:
+    """After a ``save_layer`` that raised the core offers none of the step's later layers and
+    still calls ``finish_saves``: a block missing a layer must not be stored (it would load as
+    KV of its prompt), and the next step saves as usual."""
+    source = caches(connector.kv_caches[1].dtype, fill=True)
+    k = keys(2)
+    connector.save_layer(LAYERS[0], source[LAYERS[0]], [BlockTransfer(k[0], 1)])  # the last layer never comes
+    connector.finish_saves()
+    assert connector.stored_blocks(k[:1]) == 0, (
+        "finish_saves() stored a block one of whose layers save_layer never took: store only whole blocks")
+    save(connector, source, [BlockTransfer(k[1], 2)])
+    assert connector.stored_blocks(k[1:]) == 1, "a step after a failed one must save as usual"

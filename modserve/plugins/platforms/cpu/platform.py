@@ -11,12 +11,13 @@ import torch
 from pydantic import BaseModel, Field
 
 from modserve.api import (
-    AttentionBackend, CausalLM, FinishedModel, GraphSettings, ModelLoad, Platform, StepForward, Unquantized,
-    model_bytes)
+    AttentionBackend, CausalLM, FinishedModel, GraphSettings, LoRAKernel, ModelLoad, Platform, StepForward,
+    Unquantized, model_bytes)
 from modserve.plugins.platforms.compile import AUTO_COMPILE_MIN_BYTES, compile_regions, compile_wanted
 from modserve.plugins.platforms.cpu.host_memory import keep_freed_memory
 from modserve.plugins.platforms.cpu.huge_pages import move_weights_to_huge_pages
 from modserve.plugins.platforms.cpu.features import cpu_features
+from modserve.plugins.platforms.cpu.lora import CppLoRAKernel, lora_kernel_problem
 from modserve.plugins.platforms.cpu.linear import (
     CpuLinear, add_decode_weights, bf16_gemm_applies, bf16_gemm_wanted, decode_weight_dtype, to_bf16_weights)
 from modserve.plugins.platforms.cpu.native_decode import native_decode_step
@@ -34,6 +35,9 @@ class CpuOptions(BaseModel):
         "auto", description="With dtype auto and a bfloat16 checkpoint, keep the linears' weights and the KV cache "
         "in bfloat16 and multiply in bf16 with float32 sums (a dot kernel for 1-3 rows, oneDNN's bf16 GEMM on AMX "
         "tiles beyond); auto: on CPUs with AMX-BF16 (features.py)")
+    lora_kernel: Literal["native", "torch"] = Field(
+        "native", description="With enable_lora, what adds the adapters' updates: native, one C++ call per linear "
+        "for all its adapters (csrc/lora.cpp; the torch reference where it cannot be built); torch, the reference")
 
 
 class CpuPlatform(Platform):
@@ -83,6 +87,16 @@ class CpuPlatform(Platform):
 
     def linear_method(self) -> Unquantized:
         return CpuLinear()
+
+    def lora_kernel(self) -> LoRAKernel | None:
+        """The C++ kernel (:mod:`.lora`) unless told otherwise or it cannot be built; else the reference."""
+        problem = "lora_kernel: torch" if self.options.lora_kernel == "torch" else lora_kernel_problem()
+        if problem is None:
+            logger.info("LoRA kernel: C++ (csrc/lora.cpp)")
+            return CppLoRAKernel()
+        logger.info("LoRA kernel: the torch reference (%s)", problem if self.options.lora_kernel == "torch"
+                    else f"the C++ kernel cannot be built: {problem}")
+        return None
 
     def finish_model(self, model: CausalLM, load: ModelLoad) -> FinishedModel:
         compiled = (self.compile_wanted(load.compile, model_bytes(model), load.quantized, load.quantizer_traceable)

@@ -1,0 +1,54 @@
+"""The disaggregation router's /metrics: its own counters, and both upstreams' families with
+each sample labelled by where it came from (``role``, ``upstream``), so one scrape of the
+router shows the pair."""
+
+from __future__ import annotations
+
+from typing import Iterable, Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.exposition import generate_latest
+from prometheus_client.metrics_core import Metric
+from prometheus_client.parser import text_string_to_metric_families
+
+from modserve.server.router_upstreams import Upstream
+
+# A prefill on a CPU runs from milliseconds (a short prompt) to minutes (a long one).
+_PREFILL_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+
+
+class RouterMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self.requests = Counter("modserve_disagg_requests", "Completion and chat requests the router received",
+                                ["path"], registry=self.registry)
+        self.errors = Counter("modserve_disagg_upstream_errors", "Upstream failures by server and kind (refused, "
+                              "timeout, disconnected: mid-answer, unhealthy: /health not 200 before a prefill)",
+                              ["role", "kind"], registry=self.registry)
+        self.prefill = Histogram("modserve_disagg_prefill_seconds", "The prefill request's round trip",
+                                 buckets=_PREFILL_BUCKETS, registry=self.registry)
+        self.up = Gauge("modserve_disagg_upstream_up", "1 if the upstream's /metrics answered this scrape",
+                        ["role", "upstream"], registry=self.registry)
+
+    def render(self, scraped: Iterable[tuple[Upstream, str | None]]) -> bytes:
+        """``scraped``: each upstream with its /metrics text, None where it did not answer."""
+        families: dict[str, Metric] = {}
+        for upstream, text in scraped:
+            self.up.labels(upstream.role, upstream.url).set(text is not None)
+            for family in text_string_to_metric_families(text or ""):
+                merged = families.setdefault(family.name, Metric(family.name, family.documentation, family.type,
+                                                                 family.unit))
+                tag = {"role": upstream.role, "upstream": upstream.url}
+                merged.samples += [s._replace(labels={**s.labels, **tag}) for s in family.samples]
+        return generate_latest(_Both(self.registry, families.values()))
+
+
+class _Both:
+    """A collector of the router's registry followed by the upstreams' families."""
+
+    def __init__(self, registry: CollectorRegistry, families: Iterable[Metric]) -> None:
+        self.registry, self.families = registry, families
+
+    def collect(self) -> Iterator[Metric]:
+        yield from self.registry.collect()
+        yield from self.families
