@@ -198,7 +198,7 @@ FOLDER_BUDGETS: dict[str, tuple[int, str]] = {
                                 "actor's core runs too (--data-parallel-backend ray, issue 42); +2: the connector and "
                                 "the blocks a failed KV load names (issue 44); +150: pipeline batches in flight, "
                                 "engine/pipeline_step.py and the scheduler's steps in flight (issue 43)"),
-    "runner": (2000 + 151 + 300 + 180 + 120 + 24 + 230 + 62 + 80, "every rank: the model runner, batch building, the forward context, the linear "
+    "runner": (2000 + 151 + 300 + 180 + 120 + 24 + 230 + 62 + 80 + 30, "every rank: the model runner, batch building, the forward context, the linear "
                            "factory, collectives, the loader, sampling and rejection sampling; +151: the "
                            "pooling runner, runner/pooling.py, its KV sizing and checkpoint config (issue 46); "
                            "+300: LoRA adapters' loader, slots and reference kernel, runner/lora*.py (issue 47); "
@@ -208,7 +208,8 @@ FOLDER_BUDGETS: dict[str, tuple[int, str]] = {
                            "for LoRAMapping.ranks, the modserve::lora_add op of compiled layers (issue 47); +230: the persistent input batch, "
                            "runner/input_batch.py (issue 40); +62: KV connector saves that fail skipped and "
                            "counted, runner/kv_saves.py (issue 44); +80: a step submitted and collected apart, "
-                           "rank 0's messages sent without waiting, the stages' busy time (issue 43)"),
+                           "rank 0's messages sent without waiting, the stages' busy time (issue 43); +30: LoRA "
+                           "under pipeline stages, each micro-batch's rows mapped (issue 47)"),
 }
 ENGINE_LOOP_LINES = 400 + 10 + 8 + 4 + 2 + 8  # modserve/engine/engine.py: the loop reads in one sitting; +8: KV events (issue 44);
 # +2: the adapters' stats (issue 47); +8: async scheduling's hand-off to engine/async_step.py (issue 43);

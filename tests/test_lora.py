@@ -275,6 +275,24 @@ def test_tensor_parallel_shards_adapters(lora_setup):
         llm.engine.shutdown()
 
 
+def test_pipeline_stages_apply_their_layers_adapters(lora_setup):
+    """PP=2 (gloo), batches in flight, prefills cut in two micro-batches: each stage applies its
+    own layers' adapters to the rows of each micro-batch (the step's row map, renumbered)."""
+    base, ids, adapters, refs = lora_setup["llama"]
+    llm = _llm(base, max_loras=3, max_lora_rank=16, pipeline_parallel_size=2, pipeline_micro_batches=2,
+               num_threads=1)
+    try:
+        requests = [None, *(LoRARequest(f"a{i}", i + 1, a) for i, a in enumerate(adapters))]
+        prompts = [p for p in ids for _ in requests]
+        loras = [r for _ in ids for r in requests]
+        params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
+        outs = llm.generate(prompts, params, use_tqdm=False, lora_request=loras)
+        assert [o.outputs[0].token_ids for o in outs] == \
+            [refs[c][0][i] for i in range(len(ids)) for c in (None, *adapters)]
+    finally:
+        llm.engine.shutdown()
+
+
 def test_the_platform_fills_the_lora_kernel_seam(lora_setup, monkeypatch):
     """A platform's lora_kernel() is what the linears call: here a counting wrapper of the reference."""
     from modserve.plugins.platforms.cpu.platform import CpuPlatform

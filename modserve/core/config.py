@@ -332,8 +332,6 @@ class EngineConfig(BaseModel):
     def _connector_layout(self) -> "EngineConfig":
         if self.kv_connector is not None and self.pipeline_parallel_size > 1:
             raise ValueError("kv_connector does not work with pipeline_parallel_size > 1 yet (tensor parallel does)")
-        if self.enable_lora and self.pipeline_parallel_size > 1:
-            raise ValueError("enable_lora does not work with pipeline_parallel_size > 1 (tensor parallel does)")
         if (self.lora_modules or self.lora_resolvers) and not self.enable_lora:
             raise ValueError(f"{'lora_modules' if self.lora_modules else 'lora_resolvers'} needs enable_lora")
         if self.enable_lora and self.cuda_graph_sizes:

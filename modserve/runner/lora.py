@@ -60,6 +60,24 @@ class TorchLoRAKernel(LoRAKernel):
                 start += out
 
 
+def mapping_rows(mapping: LoRAMapping | None, start: int, end: int) -> LoRAMapping | None:
+    """The part of ``mapping`` for rows ``start:end`` of its batch, renumbered from ``start``
+    (a pipeline micro-batch's rows); None where no row of the part has an adapter."""
+    if mapping is None:
+        return None
+    groups, ranks = [], []
+    for i, (slot, rows) in enumerate(mapping.groups):
+        if rows is not None:
+            rows = rows[(rows >= start) & (rows < end)] - start
+            if not rows.numel():
+                continue
+        groups.append((slot, rows))
+        ranks.append(mapping.ranks[i] if mapping.ranks is not None else None)
+    if not groups:
+        return None
+    return LoRAMapping(groups, ranks if mapping.ranks is not None else None)
+
+
 @contextlib.contextmanager
 def lora_mapping(mapping: LoRAMapping | None) -> Iterator[None]:
     """The slots of the rows of the forward run inside (None: no adapter on any row)."""
@@ -140,6 +158,8 @@ class LoRASlots:
                 module.lora = LinearLoRA(module, max_loras, max_rank, kernel, self.scaling)
                 module.lora_index = module.lora.index
                 self.layers[name] = module.lora
+        # another pipeline stage's layers: placeholders here, their adapter weights skipped
+        self.elsewhere = {name for name, module in model.named_modules() if isinstance(module, nn.Identity)}
         self.slots: OrderedDict[int, int] = OrderedDict()  # lora_int_id -> slot, least recently used first
         self.free = list(range(max_loras))
         self.held: list[LoRARequest | None] = [None] * max_loras  # slot -> the adapter in it
@@ -152,13 +172,18 @@ class LoRASlots:
             return cached
         adapter = load_adapter(request, self.max_rank)
         for module in adapter.weights:
-            if self.locate(module)[0] not in self.layers:
+            if self.locate(module)[0] not in self.layers and not self._elsewhere(module):
                 raise ValueError(f"LoRA adapter {request.lora_name!r}: module {module!r} is no projection of "
                                  "this model")
         self.host[request.lora_int_id] = adapter
         while len(self.host) > self.max_cpu_loras:
             self.host.popitem(last=False)
         return adapter
+
+    def _elsewhere(self, module: str) -> bool:
+        """Whether ``module`` is in a layer another pipeline stage holds."""
+        parts = module.split(".")
+        return any(".".join(parts[:i]) in self.elsewhere for i in range(1, len(parts)))
 
     def remove(self, lora_int_id: int) -> bool:
         """Forget an adapter (unloaded): its slot frees, its host copy goes. Whether it was known."""
@@ -199,6 +224,8 @@ class LoRASlots:
                 layer.clear(slot)
             for module, (a, b) in adapter.weights.items():
                 target, shard = self.locate(module)
+                if target not in self.layers:  # another stage's (checked by adapter())
+                    continue
                 layer = self.layers[target]
                 layer.set(slot, shard, a.to(layer.spec.dtype), b.to(layer.spec.dtype))
         self.scaling[slot], self.ranks[slot] = adapter.scaling, adapter.rank

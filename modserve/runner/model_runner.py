@@ -24,11 +24,12 @@ from modserve.runner.kv_saves import GuardedSaves
 from modserve.runner.logits_processors import LogitsProcessors
 from modserve.core.contracts.attention_backend import AttentionMetadata, AttentionSpec
 from modserve.core.contracts.kv_connector import BlockTransfer, KVConnector, KVConnectorContext
+from modserve.core.contracts.lora import LoRAMapping
 from modserve.core.contracts.platform import GraphSettings, ModelLoad, Platform, StepForward
 from modserve.core.contracts.sampler import SamplerOutput, SamplingBatch
 from modserve.runner.checkpoint import CheckpointReads, as_tensor
 from modserve.core.lora_request import LoRARequest
-from modserve.runner.lora import LoRASlots, LoRAStep, TorchLoRAKernel, lora_mapping
+from modserve.runner.lora import LoRASlots, LoRAStep, TorchLoRAKernel, lora_mapping, mapping_rows
 from modserve.runner.linear import Unquantized, default_dtype, finish_linears, linear_factory, model_bytes
 from modserve.runner.loader import checkpoint_digest, checkpoint_dtype, iter_weights, load_hf_config
 from modserve.runner.messages import AllocateKVCache, LoadKV, RankMessage, ReadStageTimes, RunModel
@@ -356,18 +357,19 @@ class ModelRunner:
         connector's blocks as each layer writes them), then the logits ``[R, vocab]`` of
         each set of rows (None for an empty one)."""
         self.move_blocks(step.copies, step.swap_out, step.swap_in)
+        mapping = self.lora.activate(step.lora) if self.lora is not None else None  # every stage's adapters in slots
         if self.pp.size > 1:
-            return self._run_stage(step.input_ids, step.meta, step.logit_rows)
+            return self._run_stage(step.input_ids, step.meta, step.logit_rows, mapping)
         input_ids, meta, kv_saves = step.input_ids, step.meta, step.kv_saves
-        with lora_mapping(self.lora.activate(step.lora) if self.lora is not None else None):
+        with lora_mapping(mapping):
             # [T, hidden]; a step that saves runs eagerly: a CUDA graph would not replay the saves
             hidden = self._saving_forward(input_ids, meta, kv_saves) if kv_saves else self.step_forward(input_ids, meta)
         every_row = self._first_rows.get(hidden.shape[0])  # a step of decodes samples every row: no gather
         return [self.model.compute_logits(hidden if rows is every_row else hidden[rows]) if rows.numel() else None
                 for rows in step.logit_rows]
 
-    def _run_stage(self, input_ids: torch.Tensor, meta: AttentionMetadata,
-                   logit_rows: list[torch.Tensor]) -> list[torch.Tensor | None]:
+    def _run_stage(self, input_ids: torch.Tensor, meta: AttentionMetadata, logit_rows: list[torch.Tensor],
+                   mapping: LoRAMapping | None = None) -> list[torch.Tensor | None]:
         """This pipeline stage's part of a step: its micro-batches one after another, each the
         previous stage's hidden states in, this stage's layers, out to the next (sent without
         waiting: the next micro-batch, or the next step, starts meanwhile). The last stage's
@@ -377,11 +379,14 @@ class ModelRunner:
         count = micro_batch_count(self.config.pipeline_micro_batches, pp.size, meta.num_tokens)
         parts = split_batch(input_ids, meta, logit_rows, count)
         sends, logits = [], []
+        first_row = 0
         for ids, part_meta, rows in parts:
             like = torch.empty(ids.shape[0], self.hf_config.hidden_size, dtype=self.dtype, device=self.device)
             prev = None if pp.first else pp.recv_prev(like)
             start = time.perf_counter()
-            hidden = self._forward(ids, part_meta, prev)
+            with lora_mapping(mapping_rows(mapping, first_row, first_row + ids.shape[0])):
+                hidden = self._forward(ids, part_meta, prev)
+            first_row += ids.shape[0]
             if pp.last:
                 logits.append([self.model.compute_logits(hidden[r]).float() if r.numel() else None for r in rows])
             self.stage_seconds += time.perf_counter() - start
