@@ -3,13 +3,16 @@ synchronous engine, never a token past a stop, no block freed under a running fo
 
 from __future__ import annotations
 
+import threading
 import time
+from types import SimpleNamespace
 from typing import Iterator
 
 import pytest
 
 from lora_oracle import ALL, make_adapter
 from modserve import LLM, LoRARequest, SamplingParams, StructuredOutputs
+from modserve.plugins.platforms.cpu.native_decode import NativeDecodeStep
 from server_process import serving
 
 PROMPTS = [
@@ -32,7 +35,8 @@ def no_step_failed(caplog):
 def make_llm(path: str, async_scheduling: bool, **overrides) -> LLM:
     overrides.setdefault("num_kv_blocks", 128)
     overrides.setdefault("max_model_len", 256)
-    return LLM(path, dtype="float32", progress=False, async_scheduling=async_scheduling, **overrides)
+    overrides.setdefault("dtype", "float32")
+    return LLM(path, progress=False, async_scheduling=async_scheduling, **overrides)
 
 
 @pytest.fixture(scope="module")
@@ -265,14 +269,17 @@ def test_a_failed_forward_blames_its_request_and_loses_no_output(pair, monkeypat
     caplog.clear()  # the failed steps were planted: no_step_failed lets them be
 
 
-def test_lora_adapters_apply_on_the_forward_thread(llama_dir, tmp_path):
-    """The LoRA row mapping is a thread-local of the forward: set and read on the forward thread."""
+@pytest.mark.parametrize("compile_setting", ["off", "on"])
+def test_lora_adapters_apply_on_the_forward_thread(llama_dir, tmp_path, compile_setting):
+    """The LoRA row mapping is a thread-local of the forward: set and read on the forward thread,
+    eagerly and by the compiled layers' opaque LoRA op."""
     adapter = make_adapter(llama_dir, tmp_path / "a", 8, ALL, seed=1)
     lora = LoRARequest("a", 1, adapter)
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     got = {}
     for mode in (False, True):
-        llm = make_llm(llama_dir, mode, enable_lora=True, max_loras=1, max_lora_rank=8)
+        llm = make_llm(llama_dir, mode, enable_lora=True, max_loras=1, max_lora_rank=8, compile=compile_setting)
+        assert llm.engine.runner.compiled == (compile_setting == "on")
         outs = llm.generate(PROMPTS[:4], params, use_tqdm=False, lora_request=[None, lora, None, lora])
         got[mode] = seen(outs)
         base = seen(llm.generate(PROMPTS[1:2], params, use_tqdm=False))[0]  # prompt 1 without the adapter
@@ -281,3 +288,92 @@ def test_lora_adapters_apply_on_the_forward_thread(llama_dir, tmp_path):
             assert not any(t.is_alive() for t in llm.engine.overlap.pool._threads)
     assert got[True] == got[False]
     assert got[False][1][0][0] != base[0][0]  # the adapter changes the tokens: a real check
+
+
+# -- tensor parallelism and torch.compile: what the forward thread runs ------------------------
+
+
+def mixed_params(llm: LLM) -> list[SamplingParams]:
+    """One per prompt of PROMPTS: greedy ones ended by stop strings from the middle of their own
+    text, one at max_tokens, and two of n=2 (seeded samples, one also stopped by a string)."""
+    free = seen(llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True), use_tqdm=False))
+    stops = [s for o in free if (s := o[0][1][len(o[0][1]) // 2:len(o[0][1]) // 2 + 2]).strip()]
+    greedy = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, stop=stops)
+    return [greedy, SamplingParams(n=2, temperature=1.0, seed=5, max_tokens=12, ignore_eos=True, stop=stops),
+            greedy, SamplingParams(temperature=0, max_tokens=5, ignore_eos=True),
+            SamplingParams(n=2, temperature=0.8, seed=9, max_tokens=10, ignore_eos=True)]
+
+
+def threads_of(llm: LLM) -> set[str]:
+    """Record which threads run the step's forward (and, where there is one, the native decode
+    step's C++ call) from now on; the names come back in the set returned."""
+    runner, names = llm.engine.runner, set()
+
+    def recorded(fn, what):
+        def call(*args):
+            names.add(f"{what}@{threading.current_thread().name}")
+            return fn(*args)
+        return call
+
+    if isinstance(runner.step_forward, NativeDecodeStep):
+        runner.step_forward.decoder = SimpleNamespace(forward=recorded(runner.step_forward.decoder.forward, "native"))
+        runner.step_forward.forward = recorded(runner.step_forward.forward, "compiled")
+    else:
+        runner.step_forward = recorded(runner.step_forward, "compiled" if runner.compiled else "eager")
+    return names
+
+
+def mixed_batch_both_ways(make) -> tuple[set[str], dict[bool, LLM]]:
+    """The mixed batch with async scheduling off, then on (``make(mode)``: one engine at a time,
+    as one process holds one tensor-parallel group): every output on the way the same. Returns
+    the threads the async engine's forwards ran on, and the engines (shut down)."""
+    got, names, llms = {}, set(), {}
+    for mode in (False, True):
+        llms[mode] = llm = make(mode)
+        try:
+            if not mode:
+                params = mixed_params(llm)
+            else:
+                names = threads_of(llm)
+            got[mode] = streams(llm, PROMPTS, params)
+        finally:
+            llm.shutdown()
+    assert got[True] == got[False]
+    last = [c for o in got[False].values() for c in o[-1][:-1]]
+    assert {c[2] for c in last} == {"stop", "length"} and len(last) == len(PROMPTS) + 2
+    return names, llms
+
+
+def test_tensor_parallel_mp_identical(llama_dir):
+    """TP=2 (the mp executor, gloo): rank 0's forward thread sends the step to rank 1 and runs
+    the all-reduces, while the engine thread shows the step before."""
+    names, _ = mixed_batch_both_ways(lambda mode: make_llm(llama_dir, mode, tensor_parallel_size=2, num_threads=1))
+    assert names == {"eager@modserve-forward_0"}
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_compiled_forward_and_native_decode_identical(checkpoint_dir, dtype):
+    """compile: on: the forward thread runs the layers' graphs the engine thread compiled, with
+    no recompile (dynamo guards thread-local state: grad mode, torch function modes); a bf16
+    checkpoint's decode steps run there as the CPU platform's native C++ step, its prefills
+    through the compiled graphs."""
+    from torch._dynamo.utils import counters
+
+    path = checkpoint_dir("llama", dtype=dtype)
+    graphs = []
+
+    def make(mode: bool) -> LLM:
+        # dtype auto: float32 activations, a bf16 checkpoint's linears read in bf16
+        llm = make_llm(path, mode, compile="on", dtype="auto")
+        graphs.append(counters["stats"]["unique_graphs"])  # after its warm-up
+        return llm
+
+    names, llms = mixed_batch_both_ways(make)
+    assert all(llm.engine.runner.compiled for llm in llms.values())
+    # the async engine's warm-up and steps reuse the graphs the synchronous one made on this thread
+    assert counters["stats"]["unique_graphs"] == graphs[0], "the forward thread compiled again"
+    if dtype == "bfloat16":
+        assert isinstance(llms[True].engine.runner.step_forward, NativeDecodeStep)
+        assert names == {"native@modserve-forward_0", "compiled@modserve-forward_0"}
+    else:
+        assert names == {"compiled@modserve-forward_0"}

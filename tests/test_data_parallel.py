@@ -1,11 +1,12 @@
 """Data parallelism: engine replicas behind one server (modserve/server/replicas.py).
 
 The router alone (no model); a ReplicaSet of two tiny engines in-process (conftest's KV-leak
-guard checks them); then real `modserve serve` processes driven by the openai client: one
-engine, two replicas with prefix routing (set in a YAML file), two with load routing (set by
-flags). Greedy outputs equal one engine's; a shared-prefix workload's prefix-cache hits on the
-second pass equal one engine's with prefix routing and are far fewer with load routing;
-/metrics has every metric summed and per replica.
+guard checks them); then real `modserve serve` processes driven by the openai client: two
+replicas with prefix routing (set in a YAML file), two with load routing (set by flags), held to
+one offline engine with the servers' settings in the test process (a one-engine server gives the
+same greedy tokens and costs a start). Greedy outputs equal one engine's; a shared-prefix
+workload's prefix-cache hits on the second pass equal one engine's with prefix routing and are
+far fewer with load routing; /metrics has every metric summed and per replica.
 
 ``python tests/test_data_parallel.py MODEL`` measures the prefix hit rate of both routings
 on a shuffled shared-prefix workload (docs/parallelism.md, data parallelism).
@@ -14,6 +15,7 @@ on a shuffled shared-prefix workload (docs/parallelism.md, data parallelism).
 from __future__ import annotations
 
 import asyncio
+import itertools
 import random
 import signal
 import time
@@ -23,6 +25,7 @@ from pathlib import Path
 import pytest
 from server_process import Server, launch, stop, stop_all, wait_for, wait_healthy
 
+from modserve import LLM
 from modserve.core.config import EngineConfig
 from modserve.engine.engine import LLMEngine
 from modserve.core.sampling_params import SamplingParams
@@ -191,14 +194,20 @@ def test_close_aborts_every_part_and_one_dead_replica_is_unhealthy(engines):
 
 # -- real servers ------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
+def one_engine(llama_dir):
+    """The reference: one offline engine with each server engine's settings (flags below)."""
+    with LLM(llama_dir, num_kv_blocks=512, num_threads=1, max_model_len=1024, progress=False) as llm:
+        yield llm
+
+
+@pytest.fixture(scope="module")
 def servers(llama_dir, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("dp")
     common = ["--model", llama_dir, "--served-model-name", MODEL, "--num-kv-blocks", "512", "--num-threads", "1",
               "--max-model-len", "1024"]
     config = tmp / "dp.yaml"
     config.write_text("data_parallel_size: 2\n")
-    procs = {"single": launch(tmp, "single", *common),
-             "prefix": launch(tmp, "prefix", "--config", str(config), *common),
+    procs = {"prefix": launch(tmp, "prefix", "--config", str(config), *common),
              "load": launch(tmp, "load", *common, "--data-parallel-size", "2", "--data-parallel-routing", "load")}
     try:
         for s in procs.values():
@@ -217,9 +226,26 @@ def test_two_replicas_behind_one_server(servers):
         assert m["modserve_kv_blocks_total"] == 1024  # 512 each
 
 
-def test_greedy_outputs_equal_one_engine(servers):
+def greedy_prompts() -> list[list[int]]:
     rng = random.Random(0)
-    prompts = [[rng.randrange(10, 4000) for _ in range(rng.randrange(5, 40))] for _ in range(6)]
+    return [[rng.randrange(10, 4000) for _ in range(rng.randrange(5, 40))] for _ in range(6)]
+
+
+CHAT = [{"role": "user", "content": "hello there"}]
+
+
+def one_engine_outputs(llm: LLM, prompts: list[list[int]]) -> list[str]:
+    """What ``outputs`` below reads from a server, from the offline engine: batch, streamed (the
+    same text), then the chat's two choices."""
+    params = SamplingParams(temperature=0.0, max_tokens=GREEDY["max_tokens"], ignore_eos=True)
+    texts = [o.outputs[0].text for o in llm.generate(prompts, params, use_tqdm=False)]
+    chat = llm.chat(CHAT, SamplingParams(n=2, temperature=0.0, max_tokens=GREEDY["max_tokens"], ignore_eos=True),
+                    use_tqdm=False)
+    return texts + texts + [c.text for c in chat[0].outputs]
+
+
+def test_greedy_outputs_equal_one_engine(servers, one_engine):
+    prompts = greedy_prompts()
 
     def outputs(server: Server) -> list[str]:
         client = server.client()
@@ -229,11 +255,10 @@ def test_greedy_outputs_equal_one_engine(servers):
         for chunk in client.completions.create(model=MODEL, prompt=prompts, stream=True, **GREEDY):
             for c in chunk.choices:
                 streamed[c.index] += c.text
-        chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hello there"}],
-                                              n=2, **GREEDY)
+        chat = client.chat.completions.create(model=MODEL, messages=CHAT, n=2, **GREEDY)
         return texts + streamed + [c.message.content for c in chat.choices]
 
-    expected = outputs(servers["single"])
+    expected = one_engine_outputs(one_engine, prompts)
     for name in ("prefix", "load"):
         before = servers[name].metrics()
         assert outputs(servers[name]) == expected, name
@@ -267,7 +292,27 @@ def run_in_flight(server: Server, prompts: list[list[int]], max_tokens: int) -> 
             pass
 
 
-def test_prefix_routing_keeps_each_prefix_on_one_replica(servers):
+_request_ids = itertools.count()
+
+
+def in_flight_hits(llm: LLM, prompts: list[list[int]], max_tokens: int) -> int:
+    """``run_in_flight`` on the offline engine: each request stepped to its first token before
+    the next is added, then all to the end; the prefix-cache hit tokens that counted."""
+    engine = llm.engine
+    start = engine.stats()["allocator_prefix_hit_tokens"]
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    for p in prompts:
+        rid = f"in-flight-{next(_request_ids)}"
+        engine.add_request(rid, p, params)
+        while not any(o.request_id == rid and o.outputs[0].token_ids for o in engine.step()):
+            pass
+    while engine.has_unfinished_requests():
+        engine.step()
+    return engine.stats()["allocator_prefix_hit_tokens"] - start
+
+
+
+def test_prefix_routing_keeps_each_prefix_on_one_replica(servers, one_engine):
     """4 prefixes of 4 blocks, 2 prompts each, all in flight at once; then 8 new prompts on the
     same prefixes, in another order. Each prompt after a prefix's first should find it cached:
     one engine does; prefix routing sends it to the replica that has it; load routing (fewest
@@ -279,6 +324,8 @@ def test_prefix_routing_keeps_each_prefix_on_one_replica(servers):
     order = [1, 0, 3, 2, 5, 4, 7, 6]
     hits: dict[str, list[float]] = {}
     key = "modserve_prefix_cache_hit_tokens_total"
+    hits["single"] = [in_flight_hits(one_engine, [p for _, p in first], max_tokens=200),
+                      in_flight_hits(one_engine, [second[i][1] for i in order], max_tokens=200)]
     for name, server in servers.items():
         start = server.metrics()
         run_in_flight(server, [p for _, p in first], max_tokens=200)
@@ -286,11 +333,10 @@ def test_prefix_routing_keeps_each_prefix_on_one_replica(servers):
         run_in_flight(server, [second[i][1] for i in order], max_tokens=200)
         end = server.metrics()
         hits[name] = [middle[key] - start[key], end[key] - middle[key]]
-        if name != "single":
-            routed = "modserve_replica_routed_requests_total{{by={},replica={}}}"
-            by = {b: sum(end[routed.format(b, r)] - middle[routed.format(b, r)] for r in (0, 1))
-                  for b in ("prefix", "load")}
-            assert by == ({"prefix": 8, "load": 0} if name == "prefix" else {"prefix": 0, "load": 8}), (name, by)
+        routed = "modserve_replica_routed_requests_total{{by={},replica={}}}"
+        by = {b: sum(end[routed.format(b, r)] - middle[routed.format(b, r)] for r in (0, 1))
+              for b in ("prefix", "load")}
+        assert by == ({"prefix": 8, "load": 0} if name == "prefix" else {"prefix": 0, "load": 8}), (name, by)
     prefix_tokens = 4 * BLOCK
     # first pass: each prefix's second prompt hits; second pass: all eight do
     assert hits["single"] == [4 * prefix_tokens, 8 * prefix_tokens], hits

@@ -7,7 +7,8 @@ start, one thread per core:
 - ``kill -9`` of rank 1's actor process: its stream fails with an OpenAI-shaped error, rank 0's
   stream completes, /health turns 503 (the server stays up: --no-exit-on-engine-death);
 - ``kill -9`` of the server: none of its processes is left, Ray's included (raylet, gcs_server,
-  the agents, the actors), by its process tree and by a scan of /proc.
+  the agents, the actors), by its process tree and by a scan of /proc for the processes that
+  inherited the server's environment.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from __future__ import annotations
 import os
 import re
 import signal
+import uuid
 
 import httpx
 import openai
@@ -30,18 +32,28 @@ PROMPTS = [[(7 * i + j) % 200 + 3 for j in range(5 + 3 * i)] for i in range(4)]
 RAY_NAMES = re.compile(r"raylet|gcs_server|ray::|ray/dashboard|ray/_private|ray\.scripts|ray_cluster")
 
 
+# In the server's environment, inherited by every process of the cluster it starts: another Ray
+# cluster of this machine (a test run beside this one) is not this test's.
+MARK = f"MODSERVE_TEST_DP_RAY={os.getpid()}-{uuid.uuid4().hex}"
+
+
 def ray_processes() -> dict[int, str]:
-    """pid -> command line of every process of this machine that is Ray's (or our cluster supervisor)."""
+    """pid -> command line of every process of this machine that is Ray's (or our cluster
+    supervisor) and carries ``MARK``."""
     found = {}
     for entry in os.listdir("/proc"):
         if entry.isdigit():
             try:
                 with open(f"/proc/{entry}/cmdline", "rb") as f:
                     cmd = f.read().replace(b"\0", b" ").decode(errors="replace")
+                if not RAY_NAMES.search(cmd):
+                    continue
+                with open(f"/proc/{entry}/environ", "rb") as f:
+                    if MARK.encode() not in f.read().split(b"\0"):
+                        continue
             except OSError:
                 continue
-            if RAY_NAMES.search(cmd):
-                found[int(entry)] = cmd
+            found[int(entry)] = cmd
     return found
 
 
@@ -59,7 +71,7 @@ def test_dp2_over_ray_same_tokens_a_killed_actor_fails_its_requests_and_kill9_le
         tmp_path, "dp-ray", llama_dir, "--served-model-name", "tiny", "--num-threads", "1", "--num-kv-blocks", "160",
         "--max-model-len", "2048", "-dp", "2", "--data-parallel-backend", "ray", "--data-parallel-routing", "load",
         "--data-parallel-rpc-port", str(free_port()), "--no-exit-on-engine-death", timeout=300,
-        env={"RAY_ADDRESS": ""})
+        env={"RAY_ADDRESS": "", **dict([MARK.split("=")])})
     tree: dict[int, str] = {}
     try:
         log = server.log.read_text()

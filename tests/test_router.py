@@ -20,7 +20,9 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import httpx
@@ -28,7 +30,8 @@ import openai
 import pytest
 from server_process import Server, free_port, launch, stop, wait_for, wait_healthy
 
-from modserve.server.router_upstreams import CachedHealth
+from modserve.server.router_balance import Balancer
+from modserve.server.router_upstreams import CachedHealth, Upstream
 
 MODEL = "tiny-llama"
 KEY = "router-key"
@@ -75,10 +78,71 @@ class DeadPort:
 STRICT = ("--connect-timeout", "2", "--read-timeout", "4", "--health-timeout", "1", "--health-ttl", "0")
 
 
+class FakeDecode:
+    """A decode server in a thread of the test: /health 200, a canned completion, and a stream
+    that sends one event and then holds until ``release`` is set. ``asked``: its completions."""
+
+    TEXT = "fake"
+
+    def __init__(self) -> None:
+        self.asked: list[dict] = []
+        self.release = threading.Event()
+        fake = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                self.answer(200 if self.path == "/health" else 404, b"{}")
+
+            def do_POST(self) -> None:
+                body = json.loads(self.rfile.read(int(self.headers["content-length"])))
+                fake.asked.append(body)
+                if not body.get("stream"):
+                    choice = {"index": 0, "text": FakeDecode.TEXT, "finish_reason": "length", "logprobs": None}
+                    return self.answer(200, json.dumps({"id": "fake", "object": "text_completion", "model": MODEL,
+                                                        "choices": [choice]}).encode())
+                self.send_response(200)  # HTTP/1.0: the stream ends with the connection
+                self.send_header("content-type", "text/event-stream")
+                self.end_headers()
+                event = {"id": "fake", "object": "text_completion", "choices": [{"index": 0, "text": "f"}]}
+                self.wfile.write(b"data: " + json.dumps(event).encode() + b"\n\n")
+                self.wfile.flush()
+                fake.release.wait(60)
+                self.wfile.write(b"data: [DONE]\n\n")
+
+            def answer(self, status: int, content: bytes) -> None:
+                self.send_response(status)
+                self.send_header("content-type", "application/json")
+                self.send_header("content-length", str(len(content)))
+                self.end_headers()
+                self.wfile.write(content)
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+
+    def close(self) -> None:
+        self.release.set()
+        self.server.shutdown()
+        self.server.server_close()
+        self.thread.join()
+
+
 @pytest.fixture(scope="module")
-def stack(llama_dir, tmp_path_factory):
+def fake_decode():
+    fake = FakeDecode()
+    yield fake
+    fake.close()
+
+
+@pytest.fixture(scope="module")
+def stack(llama_dir, tmp_path_factory, fake_decode):
     """prefill server, decode server, the router in front of them, a router whose decode server
-    is a port nobody listens on, one whose prefill server is, and one with short timeouts."""
+    is a port nobody listens on, one whose prefill server is, one with short timeouts, and one
+    in front of three decode servers: the fake, the real one and a port nobody listens on."""
     tmp = tmp_path_factory.mktemp("router")
     common = ["--model", llama_dir, "--served-model-name", MODEL, "--num-kv-blocks", "128",
               "--max-model-len", "256", "--num-threads", "1"]
@@ -93,6 +157,8 @@ def stack(llama_dir, tmp_path_factory):
         routers.append(launch_router(tmp, "no-decode", prefill.url, dead.url))
         routers.append(launch_router(tmp, "no-prefill", dead.url, decode.url))
         routers.append(launch_router(tmp, "strict", prefill.url, decode.url, *STRICT))
+        routers.append(launch_router(tmp, "several", prefill.url, fake_decode.url, "--decode", decode.url,
+                                     "--decode", dead.url, "--health-ttl", "60"))
         for r in routers:
             wait_listening(r)
         yield prefill, decode, *routers
@@ -372,6 +438,69 @@ def test_a_frozen_prefill_server_fails_health_and_requests_within_their_timeouts
     assert r.status_code == 504 and error["code"] == "prefill_unreachable" and 4 <= took < 4 + 2, (r.status_code, took)
     assert error["message"] == f"the prefill server at {prefill.url} was silent for --read-timeout 4 s (ReadTimeout)"
     assert finished(decode) == before  # nothing went to the decode server
+
+
+# -- several decode servers ------------------------------------------------------------------------
+
+
+def test_the_least_loaded_usable_upstream_is_picked_ties_in_turn():
+    """In-process: the balancer's choices, and the gauge it keeps."""
+    a, b, c = (Upstream("decode", f"http://{n}:1") for n in "abc")
+    gauge: dict[str, int] = {}
+    pool = Balancer([a, b, c], lambda u, n: gauge.__setitem__(u.url, n))
+    assert [pool.acquire() for _ in range(4)] == [a, b, c, a]  # all idle, then a ahead
+    pool.release(b)
+    assert pool.acquire() == b  # the least loaded, though c's turn
+    for u in (a, a, b, c):
+        pool.release(u)
+    assert pool.acquire([False, True, True]) == c and pool.acquire([False, True, True]) == b  # a left out
+    assert pool.acquire([False, False, False]) is None
+    assert gauge == {a.url: 0, b.url: 1, c.url: 1} and pool.outstanding == [0, 1, 1]
+
+
+def routed(router: Server, prompt: str, **body) -> httpx.Response:
+    r = httpx.post(f"{router.url}/v1/completions", json={"model": MODEL, "prompt": prompt, **GREEDY_BODY, **body},
+                   headers={"Authorization": f"Bearer {KEY}"}, timeout=60)
+    assert r.status_code == 200, r.text
+    return r
+
+
+GREEDY_BODY = {"temperature": 0.0, "max_tokens": 12, "ignore_eos": True}
+OUTSTANDING = "modserve_disagg_upstream_outstanding_requests"
+
+
+def test_requests_go_to_the_least_loaded_healthy_decode_server(prefill, decode, fake_decode, stack):
+    """Decode servers: the fake (first), the real one, a dead port. A stream held open on the fake
+    sends the next two requests to the real one: by load (in turn the second would go to the
+    dead port, or past it to the fake); the dead port is never asked. The real pair's text is the
+    decode server's alone."""
+    several = stack[6]
+    alone = [client(decode).completions.create(model=MODEL, prompt=p, **GREEDY).choices[0].text
+             for p in ("Spread me", "And me")]
+    headers = {"Authorization": f"Bearer {KEY}"}
+    body = {"model": MODEL, "prompt": "Hold me", "max_tokens": 5, "stream": True}
+    with httpx.stream("POST", f"{several.url}/v1/completions", json=body, headers=headers, timeout=60) as held:
+        assert held.headers["x-modserve-upstream-url"] == fake_decode.url
+        lines = held.iter_lines()
+        assert next(lines).startswith("data: {")
+        answers = [routed(several, p) for p in ("Spread me", "And me")]
+        assert [a.headers["x-modserve-upstream-url"] for a in answers] == [decode.url] * 2
+        assert [a.json()["choices"][0]["text"] for a in answers] == alone
+        mine = several.metrics()
+        assert mine[f"{OUTSTANDING}{{role=decode,upstream={fake_decode.url}}}"] == 1
+        assert mine[f"{OUTSTANDING}{{role=decode,upstream={decode.url}}}"] == 0
+        health = httpx.get(f"{several.url}/health", timeout=30)
+        fake_decode.release.set()
+        assert [line for line in lines if line.startswith("data:")] == ["data: [DONE]"]
+    assert [b["prompt"] for b in fake_decode.asked] == ["Hold me"]
+    wait_for(lambda: several.metrics()[f"{OUTSTANDING}{{role=decode,upstream={fake_decode.url}}}"] == 0)
+    dead_url = several.log.read_text().split("routing: ")[1].splitlines()[0].split()[-1]  # "... decode F D DEAD"
+    assert health.status_code == 200 and health.json()["status"] == "degraded", health.text
+    listed = {(u["role"], u["url"]): u for u in health.json()["upstreams"]}
+    assert [(u["healthy"], u["outstanding_requests"]) for u in listed.values()] == [
+        (True, 0), (True, 1), (True, 0), (False, 0)], listed
+    assert listed["decode", dead_url]["problem"].startswith(f"the decode server at {dead_url} is unreachable")
+    assert several.metrics()[f"{OUTSTANDING}{{role=prefill,upstream={prefill.url}}}"] == 0
 
 
 def test_a_client_leaving_mid_stream_closes_the_decode_stream(decode, router):

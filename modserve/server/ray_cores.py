@@ -40,11 +40,12 @@ _active: list[RayRanks] = []  # shutdown_all()'s
 class CoreActor:
     """The process of one data-parallel engine core (made a Ray actor class by RayRanks.join)."""
 
-    def run(self, spec_json: bytes) -> int:
+    def run(self, spec_json: bytes, log_level: str) -> int:
         from modserve.engine.core_process import run_core
 
         spec = msgspec.json.decode(spec_json, type=LaunchSpec)
-        logging.basicConfig(level=os.environ.get("MODSERVE_LOG_LEVEL", "INFO").upper(), force=True,
+        os.environ["MODSERVE_LOG_LEVEL"] = log_level  # the core's own processes (its ranks) inherit it
+        logging.basicConfig(level=log_level.upper(), force=True,
                             format=f"%(asctime)s %(levelname)s [engine-core {spec.dp_rank}] %(name)s: %(message)s")
         if os.getpgrp() != os.getpid():  # a lost server's watch kills this process group: the core's own
             os.setpgid(0, 0)
@@ -125,17 +126,19 @@ class RayRanks:
         per_node = Counter(nodes.values())
         expected = h.fingerprint(self.config)
         actor_cls = self.ray.remote(CoreActor)
-        env = {"MODSERVE_LOG_LEVEL": logging.getLevelName(logging.getLogger("modserve").getEffectiveLevel())}
+        # NOTE: the level goes as an argument, not a runtime_env: an actor with a runtime_env of
+        # its own cannot take one of Ray's pre-started workers and waits for a fresh one's imports
+        level = logging.getLevelName(logging.getLogger("modserve").getEffectiveLevel())
         for rank, group in zip(ranks, self.groups):
             config = rank_config(self.config, rank, per_node[nodes[rank]])
             spec = LaunchSpec(config.model_dump_json(), rank, inbox="", outbox="", beats="", parent_pid=0,
                               handshake=handshake, fingerprint=expected, ready_timeout=ready_timeout())
             actor = actor_cls.options(
-                num_cpus=1, max_restarts=0, name=None, runtime_env={"env_vars": env},
+                num_cpus=1, max_restarts=0, name=None,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=group,
                                                                      placement_group_bundle_index=0)).remote()
             self.actors.append(actor)
-            self.runs.append(actor.run.remote(msgspec.json.encode(spec)))
+            self.runs.append(actor.run.remote(msgspec.json.encode(spec), level))
             logger.info("data parallel over Ray: engine core %d placed on node %s", rank, nodes[rank])
 
     def failed(self) -> str | None:

@@ -1,13 +1,15 @@
-"""The disaggregated-serving router: an OpenAI-compatible front for a prefill server (the KV
-producer) and a decode server (the KV consumer), as vLLM's disaggregated-prefill proxy does it.
+"""The disaggregated-serving router: an OpenAI-compatible front for prefill servers (the KV
+producers) and decode servers (the KV consumers), as vLLM's disaggregated-prefill proxy does it.
 
 Each completion is sent twice: first to the prefill server with ``max_tokens=1`` (it computes
 the prompt's KV, which its KV connector hands on), then, once that has answered, to the decode
 server, whose answer the client gets, streamed event by event when it asked for a stream. A
 prefill answer that carries vLLM's ``kv_transfer_params`` (where the KV is) has them put on the
 decode request; without them the decode server finds the KV by content. The decode server's
-health is checked (cached briefly) before a prefill is spent on it. docs/disaggregation.md has
-the commands that start the three processes.
+health is checked (cached briefly) before a prefill is spent on it. With several servers of a
+role, each request goes to the one with the fewest requests outstanding through this router
+(``router_balance``), decode servers that fail /health left out. docs/disaggregation.md has the
+commands that start the processes.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import logging
 import time
 import uuid
 from contextlib import asynccontextmanager
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Sequence
 
 import anyio
 import httpx
@@ -29,6 +31,7 @@ from starlette.exceptions import HTTPException
 from starlette.types import Receive, Scope, Send
 
 from modserve.server.errors import APIError
+from modserve.server.router_balance import Balancer
 from modserve.server.router_metrics import RouterMetrics
 from modserve.server.router_timeouts import Timeouts
 from modserve.server.router_upstreams import (CachedHealth, Upstream, decode_down, failure_kind,
@@ -43,6 +46,8 @@ RETURNED_HEADERS = ("retry-after", "www-authenticate")
 REQUEST_ID_HEADER = "x-request-id"
 PREFILL_MS_HEADER = "x-modserve-prefill-ms"
 DECODE_HEADERS_MS_HEADER = "x-modserve-decode-headers-ms"
+UPSTREAM_URL_HEADER = "x-modserve-upstream-url"  # which server of its role answered
+PREFILL_URL_HEADER = "x-modserve-prefill-url"  # which prefill server the decode answer followed
 KV_PARAMS = "kv_transfer_params"
 # The prefill server's 400 to do_remote_decode when its connector keeps no KV for a decode server.
 NO_PARAMS_PARAM = f"{KV_PARAMS}.do_remote_decode"
@@ -66,7 +71,7 @@ def prefill_body(body: dict[str, Any], params: bool) -> dict[str, Any]:
 def passthrough(resp: httpx.Response, upstream: Upstream, headers: dict[str, str] | None = None) -> Response:
     """An upstream's whole answer, status and body as they are (an OpenAI error stays one)."""
     extra = {k: v for k, v in resp.headers.items() if k in RETURNED_HEADERS}
-    extra.update({"x-modserve-upstream": upstream.role, **(headers or {})})
+    extra.update({"x-modserve-upstream": upstream.role, UPSTREAM_URL_HEADER: upstream.url, **(headers or {})})
     return Response(resp.content, status_code=resp.status_code, headers=extra,
                     media_type=resp.headers.get("content-type"))
 
@@ -137,14 +142,28 @@ class RelayedStream(StreamingResponse):
             self.on_done(self.first_byte)
 
 
-def create_router_app(prefill_url: str, decode_url: str, timeouts: Timeouts = Timeouts()) -> FastAPI:
-    """The router in front of ``prefill_url`` and ``decode_url``."""
-    prefill, decode = Upstream("prefill", prefill_url.rstrip("/")), Upstream("decode", decode_url.rstrip("/"))
+def upstreams_of(role: str, urls: str | Sequence[str]) -> list[Upstream]:
+    listed = [u.rstrip("/") for u in ([urls] if isinstance(urls, str) else urls)]
+    if not listed or len(set(listed)) < len(listed):
+        raise ValueError(f"give each {role} server once, at least one: {listed}")
+    return [Upstream(role, u) for u in listed]
+
+
+def create_router_app(prefill_urls: str | Sequence[str], decode_urls: str | Sequence[str],
+                      timeouts: Timeouts = Timeouts()) -> FastAPI:
+    """The router in front of the prefill servers ``prefill_urls`` and the decode servers ``decode_urls``."""
+    prefills, decodes = upstreams_of("prefill", prefill_urls), upstreams_of("decode", decode_urls)
     metrics = RouterMetrics()
+
+    def gauge(upstream: Upstream, n: int) -> None:
+        metrics.outstanding.labels(upstream.role, upstream.url).set(n)
+
+    prefill_pool, decode_pool = Balancer(prefills, gauge), Balancer(decodes, gauge)
     client: httpx.AsyncClient | None = None  # the requests'
     prober: httpx.AsyncClient | None = None  # /health and /metrics': a frozen upstream must not hold them long
-    decode_health = CachedHealth(lambda: health_problem(prober, decode, timeouts), timeouts.health_ttl)
-    takes_params = True  # until the prefill server refuses do_remote_decode
+    decode_health = {d: CachedHealth(lambda d=d: health_problem(prober, d, timeouts), timeouts.health_ttl)
+                     for d in decodes}
+    refusing: set[Upstream] = set()  # prefill servers that refused do_remote_decode
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -154,7 +173,8 @@ def create_router_app(prefill_url: str, decode_url: str, timeouts: Timeouts = Ti
         limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
         client = httpx.AsyncClient(timeout=timeouts.client(), limits=limits)
         prober = httpx.AsyncClient(timeout=timeouts.health, limits=httpx.Limits(max_connections=None))
-        logger.info("routing: prefill %s, decode %s", prefill.url, decode.url)
+        logger.info("routing: prefill %s, decode %s", " ".join(u.url for u in prefills),
+                    " ".join(u.url for u in decodes))
         try:
             yield
         finally:
@@ -165,8 +185,8 @@ def create_router_app(prefill_url: str, decode_url: str, timeouts: Timeouts = Ti
 
     def failed(upstream: Upstream, exc: httpx.TransportError) -> APIError:
         metrics.errors.labels(upstream.role, failure_kind(exc)).inc()
-        if upstream is decode:
-            decode_health.forget()  # the next request asks it afresh
+        if upstream in decode_health:
+            decode_health[upstream].forget()  # the next request asks it afresh
         return unreachable(upstream, exc, timeouts)
 
     async def send(upstream: Upstream, method: str, path: str, headers: dict[str, str],
@@ -178,16 +198,15 @@ def create_router_app(prefill_url: str, decode_url: str, timeouts: Timeouts = Ti
         except httpx.TransportError as e:
             raise failed(upstream, e) from None
 
-    async def prime(path: str, headers: dict[str, str], raw: bytes, body: Any) -> httpx.Response:
+    async def prime(prefill: Upstream, path: str, headers: dict[str, str], raw: bytes, body: Any) -> httpx.Response:
         """The prefill request. A body that is not a JSON object goes as it came: its 400 says
         what is wrong in the server's own words, and the decode server is never asked."""
-        nonlocal takes_params
         if not isinstance(body, dict):
             return await send(prefill, "POST", path, headers, raw)
-        asked = takes_params
+        asked = prefill not in refusing
         resp = await send(prefill, "POST", path, headers, json.dumps(prefill_body(body, asked)).encode())
         if asked and refuses_params(resp):
-            takes_params = False
+            refusing.add(prefill)
             logger.info("the prefill server at %s answers no kv_transfer_params (%s): the decode server finds "
                         "the KV by content", prefill.url, resp.json()["error"]["message"])
             resp = await send(prefill, "POST", path, headers, json.dumps(prefill_body(body, False)).encode())
@@ -201,19 +220,26 @@ def create_router_app(prefill_url: str, decode_url: str, timeouts: Timeouts = Ti
         # The same id on both servers: a KV connector may pair the two requests by it.
         rid = request.headers.get(REQUEST_ID_HEADER) or uuid.uuid4().hex
         headers[REQUEST_ID_HEADER] = rid
-        if (problem := await decode_health.get()) is not None:
-            metrics.errors.labels(decode.role, "unhealthy").inc()
+        problems = await asyncio.gather(*(decode_health[d].get() for d in decodes))
+        if all(problems):
+            metrics.errors.labels("decode", "unhealthy").inc()
+            problem = "; ".join(problems)
             logger.info("%s %s: not routed: %s", path, rid, problem)
-            raise decode_down(decode, problem, timeouts.health_ttl)
+            raise decode_down(decodes[0], problem, timeouts.health_ttl)
         try:
             body = json.loads(raw)
         except ValueError:
             body = None
         asked = time.perf_counter()
-        primed = await prime(path, headers, raw, body)
+        prefill = prefill_pool.acquire()
+        assert prefill is not None
+        try:
+            primed = await prime(prefill, path, headers, raw, body)
+        finally:
+            prefill_pool.release(prefill)
         prefill_ms = (time.perf_counter() - asked) * 1e3
         metrics.prefill.observe(prefill_ms / 1e3)
-        timing = {REQUEST_ID_HEADER: rid, PREFILL_MS_HEADER: f"{prefill_ms:.1f}"}
+        timing = {REQUEST_ID_HEADER: rid, PREFILL_MS_HEADER: f"{prefill_ms:.1f}", PREFILL_URL_HEADER: prefill.url}
         if not primed.is_success:
             logger.info("%s %s: prefill answered %d in %.1f ms; not sent to decode", path, rid,
                         primed.status_code, prefill_ms)
@@ -221,20 +247,30 @@ def create_router_app(prefill_url: str, decode_url: str, timeouts: Timeouts = Ti
         params = transfer_params(primed)
         if params is not None:  # where the prefill server keeps the KV, for the decode server's connector
             raw = json.dumps({**body, KV_PARAMS: params}).encode()
-        return await finish(path, rid, headers, raw, body, timing, start)
+        # Any healthy decode server can take it: kv_transfer_params name the producer, and a
+        # content-keyed connector finds the KV wherever the pair shares its store.
+        decode = decode_pool.acquire([p is None for p in problems])
+        assert decode is not None
+        try:
+            return await finish(decode, path, rid, headers, raw, body, timing, start)
+        except BaseException:
+            decode_pool.release(decode)
+            raise
 
-    async def finish(path: str, rid: str, headers: dict[str, str], raw: bytes, body: Any,
+    async def finish(decode: Upstream, path: str, rid: str, headers: dict[str, str], raw: bytes, body: Any,
                      timing: dict[str, str], start: float) -> Response:
-        """The decode request, its answer relayed."""
+        """The decode request, its answer relayed. ``decode`` is released by ``done``, once."""
         streamed = isinstance(body, dict) and body.get("stream") is True
         sent = time.perf_counter()
         resp = await send(decode, "POST", path, headers, raw, stream=streamed)
         timing[DECODE_HEADERS_MS_HEADER] = f"{(time.perf_counter() - sent) * 1e3:.1f}"
 
         def done(first_byte: float | None) -> None:
+            decode_pool.release(decode)
             first_ms = "none" if first_byte is None else f"{(first_byte - sent) * 1e3:.1f} ms"
-            logger.info("%s %s: prefill %s ms, decode %d, first byte %s, total %.1f ms", path, rid,
-                        timing[PREFILL_MS_HEADER], resp.status_code, first_ms, (time.perf_counter() - start) * 1e3)
+            logger.info("%s %s: prefill %s ms at %s, decode %d at %s, first byte %s, total %.1f ms", path, rid,
+                        timing[PREFILL_MS_HEADER], timing[PREFILL_URL_HEADER], resp.status_code, decode.url,
+                        first_ms, (time.perf_counter() - start) * 1e3)
 
         def broken(exc: httpx.TransportError) -> APIError:
             logger.warning("%s %s: the decode server at %s failed mid-stream (%r); the client got an error event",
@@ -249,7 +285,8 @@ def create_router_app(prefill_url: str, decode_url: str, timeouts: Timeouts = Ti
             await resp.aclose()
             done(None)
             return passthrough(resp, decode, timing)
-        return RelayedStream(resp, {"x-modserve-upstream": decode.role, **timing}, done, broken)
+        return RelayedStream(resp, {"x-modserve-upstream": decode.role, UPSTREAM_URL_HEADER: decode.url, **timing},
+                             done, broken)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
@@ -269,17 +306,26 @@ def create_router_app(prefill_url: str, decode_url: str, timeouts: Timeouts = Ti
 
     async def models_of(request: Request, path: str) -> Response:
         headers = {k: v for k, v in request.headers.items() if k in FORWARDED_HEADERS}
+        # the first decode server last seen healthy (the first if none was); not counted as load
+        decode = next((d for d in decodes if decode_health[d].problem is None), decodes[0])
         return passthrough(await send(decode, "GET", path, headers), decode)
 
     @app.get("/health")
     async def health() -> Response:
-        """Both upstreams asked afresh, each within the health timeout."""
-        problems = await asyncio.gather(health_problem(prober, prefill, timeouts),
-                                        health_problem(prober, decode, timeouts))
-        decode_health.store(problems[1])
-        if any(problems):
+        """Every upstream asked afresh, each within the health timeout: 503 unless each role has
+        a healthy server; the body lists each upstream."""
+        upstreams = [*prefills, *decodes]
+        problems = await asyncio.gather(*(health_problem(prober, u, timeouts) for u in upstreams))
+        for u, p in zip(upstreams, problems):
+            if u in decode_health:
+                decode_health[u].store(p)
+        if all(problems[:len(prefills)]) or all(problems[len(prefills):]):
             raise APIError(503, "; ".join(p for p in problems if p), type="server_error", code="upstream_unhealthy")
-        return JSONResponse({"status": "ok", "prefill": prefill.url, "decode": decode.url})
+        pools = {"prefill": prefill_pool, "decode": decode_pool}
+        listed = [{"role": u.role, "url": u.url, "healthy": p is None, "problem": p,
+                   "outstanding_requests": pools[u.role].outstanding[pools[u.role].upstreams.index(u)]}
+                  for u, p in zip(upstreams, problems)]
+        return JSONResponse({"status": "degraded" if any(problems) else "ok", "upstreams": listed})
 
     @app.get("/metrics")
     async def scrape(request: Request) -> Response:
@@ -293,8 +339,9 @@ def create_router_app(prefill_url: str, decode_url: str, timeouts: Timeouts = Ti
                 return None
             return resp.text if resp.status_code == 200 else None
 
-        scraped = await asyncio.gather(text(prefill), text(decode))
-        return Response(metrics.render(zip((prefill, decode), scraped)), media_type=CONTENT_TYPE_LATEST)
+        upstreams = [*prefills, *decodes]
+        scraped = await asyncio.gather(*(text(u) for u in upstreams))
+        return Response(metrics.render(zip(upstreams, scraped)), media_type=CONTENT_TYPE_LATEST)
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, exc: APIError) -> Response:

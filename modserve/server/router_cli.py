@@ -34,10 +34,13 @@ def add_parsers(subparsers: Any) -> None:
         description="An OpenAI-compatible router for disaggregated serving: each completion goes first to the "
                     "prefill server (KV producer) with max_tokens=1, then to the decode server (KV consumer), "
                     "whose answer is returned (docs/disaggregation.md).")
-    p.add_argument("--prefill", required=True, type=upstream_url, metavar="URL",
-                   help="the prefill server, e.g. http://localhost:8100")
-    p.add_argument("--decode", required=True, type=upstream_url, metavar="URL",
-                   help="the decode server, e.g. http://localhost:8200")
+    # Repeatable (--prefill A --prefill B) or, as vLLM's disaggregation proxy takes them, several after one flag.
+    p.add_argument("--prefill", required=True, type=upstream_url, metavar="URL", action="extend", nargs="+",
+                   help="a prefill server, e.g. http://localhost:8100; several: each request goes to the one with the "
+                        "fewest requests outstanding through the router")
+    p.add_argument("--decode", required=True, type=upstream_url, metavar="URL", action="extend", nargs="+",
+                   help="a decode server, e.g. http://localhost:8200; several: as --prefill, among those whose "
+                        "/health answers")
     p.add_argument("--host", default=DEFAULT_HOST, help=f"address to bind (default: {DEFAULT_HOST})")
     p.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"(default: {DEFAULT_PORT})")
     d = Timeouts()
@@ -62,8 +65,11 @@ def cmd_router(args: argparse.Namespace) -> int:
 
     timeouts = Timeouts(connect=args.connect_timeout, read=args.read_timeout or None, health=args.health_timeout,
                         health_ttl=max(0.0, args.health_ttl))
-    app = create_router_app(args.prefill, args.decode, timeouts)
-    print(f"\nmodserve router at http://{args.host}:{args.port}/v1: prefill {args.prefill}, decode {args.decode}\n",
-          flush=True)
+    try:
+        app = create_router_app(args.prefill, args.decode, timeouts)
+    except ValueError as e:
+        raise SystemExit(f"modserve router: {e}") from None
+    print(f"\nmodserve router at http://{args.host}:{args.port}/v1: prefill {' '.join(args.prefill)}, "
+          f"decode {' '.join(args.decode)}\n", flush=True)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level.lower())
     return 0

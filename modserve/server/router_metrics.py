@@ -1,6 +1,6 @@
-"""The disaggregation router's /metrics: its own counters, and both upstreams' families with
+"""The disaggregation router's /metrics: its own counters, and every upstream's families with
 each sample labelled by where it came from (``role``, ``upstream``), so one scrape of the
-router shows the pair."""
+router shows them all."""
 
 from __future__ import annotations
 
@@ -29,6 +29,9 @@ class RouterMetrics:
                                  buckets=_PREFILL_BUCKETS, registry=self.registry)
         self.up = Gauge("modserve_disagg_upstream_up", "1 if the upstream's /metrics answered this scrape",
                         ["role", "upstream"], registry=self.registry)
+        self.outstanding = Gauge("modserve_disagg_upstream_outstanding_requests", "Requests this router has sent "
+                                 "to the upstream and not yet seen answered (a stream: until its end)",
+                                 ["role", "upstream"], registry=self.registry)
 
     def render(self, scraped: Iterable[tuple[Upstream, str | None]]) -> bytes:
         """``scraped``: each upstream with its /metrics text, None where it did not answer."""
