@@ -1,5 +1,5 @@
-"""The cuda platform's Triton LoRA kernel against the torch reference (TorchLoRAKernel), op by op,
-and through the engine against transformers + peft.
+"""The cuda platform's Triton LoRA kernel against the torch reference (TorchLoRAKernel), op by op on
+the cases every LoRA kernel is checked on (tests/lora_kernel_cases.py), and through the engine against transformers + peft.
 
 Without a GPU the kernels run on CPU tensors in Triton's interpreter (conftest sets
 TRITON_INTERPRET=1 before anything imports them): slow, so the shapes are small.
@@ -16,53 +16,11 @@ import torch
 
 pytest.importorskip("triton", reason="the Triton LoRA kernel needs the triton package")
 
+from lora_kernel_cases import CASES, F32, by_dtype, check_a_new_mapping_or_scaling_is_read_afresh, compare, weights  # noqa: E402
 from modserve.api import LoRAMapping  # noqa: E402
 from modserve.plugins.platforms.cuda.lora_triton import TritonLoRAKernel  # noqa: E402
-from modserve.runner.lora import TorchLoRAKernel  # noqa: E402
 
-F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-# Within a few units in the last place of y's largest element: the reference rounds its delta
-# to the dtype before adding it to y, the kernel adds in float32 and rounds once.
-ULPS = 8
-
-
-def weights(in_features: int, outs: list[int], ranks: dict[int, int], max_loras: int, max_rank: int,
-            dtype: torch.dtype, seed: int = 0) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """Per slice a ``[max_loras, max_rank, in]`` and b ``[max_loras, out, max_rank]`` as LinearLoRA
-    holds them: slot -> rank in ``ranks`` filled (zero past its rank), other slots zero."""
-    gen = torch.Generator().manual_seed(seed)
-    a = [torch.zeros(max_loras, max_rank, in_features) for _ in outs]
-    b = [torch.zeros(max_loras, out, max_rank) for out in outs]
-    for slot, r in ranks.items():
-        for a_i, b_i in zip(a, b):
-            a_i[slot, :r] = torch.randn(r, in_features, generator=gen) * 0.3
-            b_i[slot, :, :r] = torch.randn(b_i.shape[1], r, generator=gen) * 0.3
-    return [t.to(DEVICE, dtype) for t in a], [t.to(DEVICE, dtype) for t in b]
-
-
-def compare(num_rows: int, in_features: int, outs: list[int], ranks: dict[int, int],
-            groups: list[tuple[int, list[int] | None]], dtype: torch.dtype = F32, max_loras: int = 4,
-            max_rank: int = 8) -> None:
-    """The kernel and the reference on copies of one y: within the dtype's rounding; rows in no group
-    untouched, bit for bit."""
-    a, b = weights(in_features, outs, ranks, max_loras, max_rank, dtype)
-    gen = torch.Generator().manual_seed(1)
-    x = torch.randn(num_rows, in_features, generator=gen).to(DEVICE, dtype)
-    y = torch.randn(num_rows, sum(outs), generator=gen).to(DEVICE, dtype)
-    scaling = [0.5 + slot for slot in range(max_loras)]
-    mapping = LoRAMapping([(slot, None if rows is None else torch.tensor(rows, device=DEVICE))
-                           for slot, rows in groups])
-    want, got = y.clone(), y.clone()
-    TorchLoRAKernel().add(want, x, a, b, scaling, mapping)
-    TritonLoRAKernel().add(got, x, a, b, scaling, mapping)
-    assert got.dtype == dtype and got.shape == y.shape
-    assert not torch.equal(want, y), "the adapters change y: a real check"
-    atol = ULPS * torch.finfo(dtype).eps * want.abs().max().item()
-    torch.testing.assert_close(got.double(), want.double(), rtol=0, atol=atol)
-    covered = {r for _, rows in groups for r in (range(num_rows) if rows is None else rows)}
-    untouched = [r for r in range(num_rows) if r not in covered]
-    assert torch.equal(got[untouched], y[untouched]), "a row of no adapter changed"
 
 
 def test_runs_under_the_interpreter_without_a_gpu() -> None:
@@ -71,50 +29,14 @@ def test_runs_under_the_interpreter_without_a_gpu() -> None:
     assert lora_kernels.interpreted() == (not torch.cuda.is_available())
 
 
-@pytest.mark.parametrize("dtype", [F32, BF16, F16])
-def test_one_group_of_every_row(dtype):
-    compare(5, 32, [32], {2: 8}, [(2, None)], dtype)
-
-
-@pytest.mark.parametrize("dtype", [F32, BF16, F16])
-def test_groups_of_interleaved_rows_and_rows_of_no_adapter(dtype):
-    """Rows 2 and 6 use no adapter; slots 3, 0 and 1 take interleaved rows, in no slot order."""
-    compare(9, 32, [48], {0: 8, 1: 8, 3: 8}, [(3, [0, 4, 8]), (0, [1, 5]), (1, [3, 7])], dtype)
-
-
-@pytest.mark.parametrize("dtype", [F32, BF16])
-def test_fused_qkv_slices_of_different_sizes(dtype):
-    """q, k, v of 40, 24 and 24 columns: each slice's update lands in its own columns."""
-    compare(6, 32, [40, 24, 24], {0: 8, 2: 8}, [(2, [0, 2, 3]), (0, [1, 5])], dtype)
-
-
-def test_more_slices_than_one_launch_takes():
-    compare(4, 16, [16, 8, 8, 24], {1: 4}, [(1, [0, 3])])
-
-
-def test_ranks_below_max_rank_and_a_rank_not_a_power_of_two():
-    """max_rank 12: slot 1 holds rank 3 (zero past it), slot 2 rank 12; rank tiles of 16 are masked."""
-    compare(7, 24, [20], {1: 3, 2: 12}, [(1, [0, 1, 6]), (2, [2, 4])], max_rank=12)
-
-
-def test_sizes_not_powers_of_two_and_more_rows_than_a_tile():
-    """in 40 and out 70 cross 64-wide tiles; 37 rows of one group span several 32-row tiles."""
-    compare(40, 72, [70], {0: 8, 3: 8}, [(0, list(range(0, 37))), (3, [38, 39])])
+@pytest.mark.parametrize("num_rows, in_features, outs, ranks, groups, dtype, options", by_dtype(CASES))
+def test_the_shared_cases(num_rows, in_features, outs, ranks, groups, dtype, options):
+    compare(TritonLoRAKernel(), num_rows, in_features, outs, ranks, groups, dtype, tell_ranks=False, device=DEVICE,
+            **options)
 
 
 def test_a_new_mapping_or_scaling_is_not_served_from_the_last_one():
-    """The kernel builds each step's groups once per mapping: the next step's mapping, and a slot
-    reloaded with another scaling under the same mapping, must be read afresh."""
-    a, b = weights(16, [16], {0: 4, 1: 4}, 2, 4, F32)
-    x, y = torch.randn(4, 16).to(DEVICE), torch.zeros(4, 16, device=DEVICE)
-    kernel, ref = TritonLoRAKernel(), TorchLoRAKernel()
-    first = LoRAMapping([(0, torch.tensor([0, 1], device=DEVICE))])
-    second = LoRAMapping([(1, torch.tensor([2, 3], device=DEVICE))])
-    for mapping, scaling in [(first, [1.0, 1.0]), (first, [3.0, 1.0]), (second, [3.0, 1.0])]:
-        want, got = y.clone(), y.clone()
-        ref.add(want, x, a, b, scaling, mapping)
-        kernel.add(got, x, a, b, scaling, mapping)
-        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    check_a_new_mapping_or_scaling_is_read_afresh(TritonLoRAKernel(), DEVICE)
 
 
 def test_refuses_cpu_without_the_interpreter(monkeypatch):
