@@ -1,29 +1,43 @@
 """Time one decoder's linears over a checkpoint's shapes through each CPU route, by row count.
 
-    .venv/bin/python scripts/linear_routes.py --model CKPT [--rows 1 2 4 8 16 64] [--repeats 5]
+    .venv/bin/python scripts/linear_routes.py --model CKPT [--rows 1 2 3 4 8 16 32 64 256] [--repeats 5]
+        [--threads N] [--clock wall|cpu] [--stat median|min] [--huge-pages]
 
 Per row count, every layer's qkv, o, gate_up and down projection (and the LM head) as one pass
 over the model's bf16 weights, through: the AVX512-BF16 dot kernel (``bf16_dot_linear``, where
-built), oneDNN's bf16 GEMM (``at::mm`` on bf16: AMX tiles where present), and the few-rows
-kernel over a bf16 copy (``few_rows_linear``, float32 input; beyond 16 rows it falls back to
-float32 GEMMs, not timed). Weights are fresh random tensors of the checkpoint's shapes, so a
-model larger than the last-level cache streams from memory as in decode. Prints the median
-time of ``--repeats`` interleaved passes and the weight bytes per second, naming the CPU; this
-is how ``kDotMaxRows`` in ``csrc/bf16_linear.cpp`` was chosen.
+built), oneDNN's bf16 GEMM (``at::mm`` on bf16: AMX tiles where present), the few-rows kernel
+over a bf16 copy (``few_rows_linear``, float32 input, up to 16 rows), and the float32 GEMM on
+float32 weights in panels (``panel_linear``: what the ``few_rows`` route runs beyond 16 rows,
+its weights packed at load). Weights are fresh random tensors of the checkpoint's shapes, so a
+model larger than the last-level cache streams from memory as in decode; ``--huge-pages`` puts
+them in 2 MiB pages, as the cpu platform does with a model's. Prints the median (``--stat``)
+time of ``--repeats`` interleaved passes and the bf16 weight bytes per second, naming the CPU;
+``--clock cpu`` times CPU time instead, which leaves out the time slices other processes take
+on a shared machine: the calling thread's with one thread; with N, the process's divided by
+N (a pass's time on N cores of its own; run with ``OMP_WAIT_POLICY=passive``, so that waiting
+threads do not spin). Before and after the table it prints the memory bandwidth ``bench
+latency`` divides by (its cpu single-stream ceiling: the best 256 MiB copy, wall-clock) and,
+with ``--clock cpu``, the same copy timed by that clock. This is how
+``kDotMaxRows`` and the few-rows kernel's width in ``csrc/bf16_linear.cpp`` were chosen.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
 import time
 from pathlib import Path
+from typing import Callable
 
 import torch
 
+from modserve.bench.plan import _bandwidth_buffers, measure_cpu
 from modserve.plugins.platforms.cpu.features import cpu_features
+from modserve.plugins.platforms.cpu.huge_pages import huge_page_buffer
 from modserve.plugins.platforms.cpu.linear import FEW_ROWS, load_few_rows_kernel
+from modserve.plugins.platforms.cpu.prepack import to_panels
 
 
 def shapes(config: dict) -> list[tuple[int, int]]:
@@ -38,46 +52,94 @@ def shapes(config: dict) -> list[tuple[int, int]]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", required=True)
-    ap.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8, 16, 64])
+    ap.add_argument("--rows", type=int, nargs="+", default=[1, 2, 3, 4, 8, 16, 32, 64, 256])
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--clock", choices=["wall", "cpu"], default="wall",
+                    help="cpu: CPU time (one thread: the calling thread's; N: the process's / N)")
+    ap.add_argument("--stat", choices=["median", "min"], default="median")
+    ap.add_argument("--huge-pages", action="store_true", help="weights in 2 MiB pages, as the cpu platform's")
+    ap.add_argument("--few-rows-floats", type=int, nargs="+", choices=[8, 16], default=None,
+                    help="time the few-rows kernel at each of these vector widths (default: the one this CPU takes)")
     a = ap.parse_args()
     if a.threads:
         torch.set_num_threads(a.threads)
+    clock = cpu_clock(torch.get_num_threads()) if a.clock == "cpu" else time.perf_counter
     if not load_few_rows_kernel():
         raise SystemExit("the CPU kernels cannot be built here")
     config = json.loads((Path(a.model) / "config.json").read_text())
-    weights = [(torch.randn(n, k) * 0.02).bfloat16() for n, k in shapes(config)]
-    floats = [w.float() for w in weights]  # few_rows_linear's float32 weight (unread up to 16 rows)
+    weights = [placed((torch.randn(n, k) * 0.02).bfloat16(), a.huge_pages) for n, k in shapes(config)]
+    panels = [placed(to_panels(w.float()), a.huge_pages) for w in weights]  # the few_rows route's float32 GEMM
+    unread = [torch.zeros(()).expand(w.shape) for w in weights]  # few_rows_linear's float32 weight: unread here
     nbytes = sum(w.numel() * 2 for w in weights)
     ops = torch.ops.modserve_cpu
-    routes = {"oneDNN bf16 GEMM": lambda x, w, f: torch.mm(x.bfloat16(), w.t()).float()}
+    routes = {"oneDNN bf16 GEMM": lambda x, w, f, p: torch.mm(x.bfloat16(), w.t()).float()}
     if ops.bf16_dot_built():
-        routes["AVX512-BF16 dot"] = lambda x, w, f: ops.bf16_dot_linear(x, w)
-    routes["few-rows kernel"] = lambda x, w, f: ops.few_rows_linear(x, f, w, None, None)
-    print(f"cpu: {cpu_features().describe()}; torch {torch.__version__}, {torch.get_num_threads()} threads")
-    print(f"{a.model}: {nbytes / 2**20:.0f} MiB of bf16 linear weights; median of {a.repeats} interleaved passes")
+        routes["AVX512-BF16 dot"] = lambda x, w, f, p: ops.bf16_dot_linear(x, w)
+    for floats in a.few_rows_floats or [ops.few_rows_floats()]:
+        name = f"few-rows kernel ({floats}-float)" if a.few_rows_floats else "few-rows kernel"
+        routes[name] = functools.partial(few_rows, floats)
+    routes["float32 GEMM"] = lambda x, w, f, p: ops.panel_linear(x, p, w.shape[0], None)
+    print(f"cpu: {cpu_features().describe()}; torch {torch.__version__}, {torch.get_num_threads()} threads; "
+          f"few-rows kernel in {ops.few_rows_floats()}-float vectors")
+    print(f"{a.model}: {nbytes / 2**20:.0f} MiB of bf16 linear weights{' in 2 MiB pages' if a.huge_pages else ''}; "
+          f"{a.stat} of {a.repeats} interleaved passes, {'CPU' if a.clock == 'cpu' else 'wall-clock'} time")
+    print(ceiling(clock if a.clock == "cpu" else None))
     print("\n| rows | " + " | ".join(f"{r} ms (GB/s)" for r in routes) + " |")
     print("|---" * (len(routes) + 1) + "|")
     for rows in a.rows:
         inputs = {k: torch.randn(rows, k) for k in {k for _, k in shapes(config)}}
-        wanted = {r: fn for r, fn in routes.items() if r != "few-rows kernel" or rows <= FEW_ROWS}
+        wanted = {r: fn for r, fn in routes.items() if not r.startswith("few-rows kernel") or rows <= FEW_ROWS}
         times: dict[str, list[float]] = {r: [] for r in wanted}
         for repeat in range(a.repeats + 1):
             for route, fn in wanted.items():
-                start = time.perf_counter()
-                for w, f in zip(weights, floats):
-                    fn(inputs[w.shape[1]], w, f)
+                start = clock()
+                for w, f, p in zip(weights, unread, panels):
+                    fn(inputs[w.shape[1]], w, f, p)
                 if repeat:  # the first pass warms up
-                    times[route].append(time.perf_counter() - start)
+                    times[route].append(clock() - start)
         cells = []
         for route in routes:
             if route not in times:
                 cells.append("-")
                 continue
-            t = statistics.median(times[route])
+            t = statistics.median(times[route]) if a.stat == "median" else min(times[route])
             cells.append(f"{t * 1e3:.1f} ({nbytes / t / 1e9:.1f})")
         print(f"| {rows} | " + " | ".join(cells) + " |", flush=True)
+    print(ceiling(clock if a.clock == "cpu" else None))
+
+
+def few_rows(floats: int, x: torch.Tensor, w: torch.Tensor, f: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    torch.ops.modserve_cpu.set_few_rows_floats(floats)
+    return torch.ops.modserve_cpu.few_rows_linear(x, f, w, None, None)
+
+
+def placed(t: torch.Tensor, huge_pages: bool) -> torch.Tensor:
+    """``t``, or a copy of it in 2 MiB pages (as the cpu platform moves a model's weights)."""
+    if not huge_pages:
+        return t
+    copy = huge_page_buffer(t.numel() * t.element_size()).view(t.dtype).view(t.shape)
+    return copy.copy_(t)
+
+
+def cpu_clock(threads: int) -> Callable[[], float]:
+    """Seconds of CPU time: the calling thread's, or the process's over ``threads`` threads."""
+    return time.thread_time if threads == 1 else lambda: time.process_time() / threads
+
+
+def ceiling(clock: Callable[[], float] | None) -> str:
+    """The bandwidth ``bench latency``'s cpu ceiling divides by (:func:`measure_cpu`'s best copy,
+    wall-clock) and, given ``clock``, the same copy's best of 10 timed by it."""
+    line = f"memory: {measure_cpu().bandwidth / 1e9:.1f} GB/s (bench latency's cpu ceiling: best 256 MiB copy)"
+    if clock is None:
+        return line
+    src, dst = _bandwidth_buffers(256 << 20)
+    times = []
+    for _ in range(11):
+        start = clock()
+        dst.copy_(src)
+        times.append(clock() - start)
+    return line + f"; the same copy in CPU time: {2 * src.nbytes / min(times[1:]) / 1e9:.1f} GB/s"
 
 
 if __name__ == "__main__":

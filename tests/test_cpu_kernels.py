@@ -19,16 +19,42 @@ def few_rows_linear(*args):
     return torch.ops.modserve_cpu.few_rows_linear(*args)
 
 
+@pytest.fixture(params=[8, 16], ids=["8-float", "16-float"])
+def few_rows_floats(request):
+    """The kernel at each vector width it has (16: AVX-512, set where the CPU has AVX-512F but
+    no AVX512-BF16), restored after."""
+    ops = torch.ops.modserve_cpu
+    if request.param == 16 and not ops.few_rows_avx512_built():
+        pytest.skip("the kernel was built without AVX-512F: this CPU has no 16-float path")
+    before = ops.few_rows_floats()
+    ops.set_few_rows_floats(request.param)
+    yield request.param
+    ops.set_few_rows_floats(before)
+
+
 @pytest.mark.parametrize("rows", range(1, FEW_ROWS + 1))
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("k", [64, 72])  # 72: the split accumulators' 16-32 columns do not divide it
-def test_bf16_linear_matches_float32_on_the_same_weights(rows, bias, k):
+def test_bf16_linear_matches_float32_on_the_same_weights(rows, bias, k, few_rows_floats):
     g = torch.Generator().manual_seed(rows)
-    w = torch.randn(200, k, generator=g).bfloat16()  # 200: not a multiple of the 64-feature grain
-    x = torch.randn(rows, k, generator=g)
-    b = torch.randn(200, generator=g) if bias else None
-    expected = F.linear(x.double(), w.double(), None if b is None else b.double())
-    torch.testing.assert_close(torch.ops.modserve_cpu.bf16_linear(x, w, b).double(), expected, rtol=1e-5, atol=1e-5)
+    # 200: not a multiple of the 64-feature grain; 203: nor of the 3 or 4 weight rows read at once
+    for n in (200, 203):
+        w = torch.randn(n, k, generator=g).bfloat16()
+        x = torch.randn(rows, k, generator=g)
+        b = torch.randn(n, generator=g) if bias else None
+        expected = F.linear(x.double(), w.double(), None if b is None else b.double())
+        out = torch.ops.modserve_cpu.bf16_linear(x, w, b)
+        torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_the_16_float_width_is_refused_where_the_build_lacks_avx512():
+    ops = torch.ops.modserve_cpu
+    with pytest.raises(RuntimeError, match="8 or 16, not 4"):
+        ops.set_few_rows_floats(4)
+    if ops.few_rows_avx512_built():
+        pytest.skip("the kernel was built with AVX-512F here: 16 floats are accepted")
+    with pytest.raises(RuntimeError, match="16-float vectors need a build with AVX-512F"):
+        ops.set_few_rows_floats(16)
 
 
 def test_bf16_linear_of_no_rows_is_empty():

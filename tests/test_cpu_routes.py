@@ -10,7 +10,7 @@ from transformers import AutoModelForCausalLM
 
 from modserve import LLM, SamplingParams
 from modserve.plugins.platforms.cpu.features import cpu_features, parse_cpuinfo
-from modserve.plugins.platforms.cpu.linear import load_few_rows_kernel
+from modserve.plugins.platforms.cpu.linear import load_few_rows_kernel, set_few_rows_floats
 from modserve.plugins.platforms.cpu.native_decode import NativeDecodeStep
 from modserve.testing import cached_checkpoint
 
@@ -23,6 +23,8 @@ flags\t\t: avx2
 """
 ZEN4 = "model name\t: AMD EPYC 9R14 96-Core Processor\nflags\t\t: avx2 avx512f avx512_vnni avx512_bf16\n"
 HASWELL = "model name\t: Intel(R) Xeon(R) CPU E5-2680 v3\nflags\t\t: avx avx2 fma\n"
+ICE_LAKE = ("model name\t: Intel(R) Xeon(R) Processor @ 2.80GHz\n"
+            "flags\t\t: avx2 fma avx512f avx512dq avx512bw avx512vl avx512_vnni avx512_vbmi2\n")
 
 
 def test_each_cpu_family_gets_its_route_and_a_name_a_figure_can_carry():
@@ -33,6 +35,12 @@ def test_each_cpu_family_gets_its_route_and_a_name_a_figure_can_carry():
     assert spr.default_route() == "bf16_gemm"
     assert parse_cpuinfo(ZEN4).default_route() == "few_rows"
     assert parse_cpuinfo(HASWELL).default_route() == "few_rows"
+    ice_lake = parse_cpuinfo(ICE_LAKE)
+    assert ice_lake.describe() == "Intel(R) Xeon(R) Processor @ 2.80GHz (avx2 avx512f avx512_vnni)"
+    # no bf16 instructions: oneDNN's bf16 GEMM converts in software, slower than either float32 way
+    assert ice_lake.default_route() == "few_rows"
+    # the few-rows kernel's vector width: AVX-512 where there is no AVX512-BF16, else Zen 4's 8 floats
+    assert [parse_cpuinfo(c).few_rows_floats() for c in (ICE_LAKE, ZEN4, EMERALD_RAPIDS, HASWELL)] == [16, 8, 8, 8]
     assert parse_cpuinfo(HASWELL).describe() == "Intel(R) Xeon(R) CPU E5-2680 v3 (avx2)"
     assert parse_cpuinfo("").describe() == "unknown CPU (no vector extensions we use)"
 
@@ -146,16 +154,38 @@ def test_the_bf16_gemm_route_packs_its_weights_for_decode_batches(bf16_path):
             assert abs(a["logprob"] - b["logprob"]) < 0.02
 
 
-def test_routes_forced_off_and_by_cpu_flags(bf16_path, monkeypatch):
-    """off: float32 weights with a bf16 decode copy (the few-rows route); auto follows the
-    CPU's flags, here forced to a Zen 4's and to an AMX CPU's; dtype float32 or a float32
-    checkpoint never take the bf16 route, and asking for it there is refused."""
-    off = _llm(bf16_path, "off", compile="on")
-    layer = off.engine.runner.model.layers[0].mlp.down_proj
-    assert layer.weight.dtype == torch.float32 and layer.decode_weight.dtype == torch.bfloat16
+@torch.inference_mode()
+def test_routes_forced_off_and_by_cpu_flags(bf16_path, monkeypatch, caplog):
+    """off: float32 weights with a bf16 decode copy (the few-rows route), here under an Ice
+    Lake Xeon's flags (AVX-512F, no AVX512-BF16): its kernel computes in 16-float vectors where
+    the build has AVX-512 (logged), and the prompt's logprobs stay transformers' float32 ones;
+    auto follows the CPU's flags, here forced to an Ice Lake's, a Zen 4's and an AMX CPU's;
+    dtype float32 or a float32 checkpoint never take the bf16 route, and asking for it there
+    is refused."""
     cpu_features.cache_clear()
     try:
-        for flags, dtype in (("avx2 avx512f avx512_bf16", torch.float32), ("avx2 avx512f amx_bf16", torch.bfloat16)):
+        monkeypatch.setenv("MODSERVE_CPU_FLAGS", "avx2 avx512f avx512_vnni")
+        cpu_features.cache_clear()
+        with caplog.at_level("INFO", logger="modserve"):
+            off = _llm(bf16_path, "off", compile="on")
+        layer = off.engine.runner.model.layers[0].mlp.down_proj
+        assert layer.weight.dtype == torch.float32 and layer.decode_weight.dtype == torch.bfloat16
+        if load_few_rows_kernel():  # where it cannot be built, a compiled GEMV reads the copy
+            ops = torch.ops.modserve_cpu
+            wide = 16 if ops.few_rows_avx512_built() else 8  # the 16-float kernel: tests/test_cpu_kernels.py
+            assert f"weights (half the bytes) and accumulate in float32 ({wide}-float vectors)" in caplog.text
+            assert ops.few_rows_floats() == wide
+            assert set_few_rows_floats(parse_cpuinfo(ZEN4)) == 8 and ops.few_rows_floats() == 8
+            set_few_rows_floats(cpu_features())
+        prompt = [11, 250, 37, 902, 14, 3, 77, 1200]  # a prefill of 8 rows: the few-rows kernel's
+        ours = off.generate([prompt], SamplingParams(temperature=0.0, max_tokens=2, logprobs=5),
+                            use_tqdm=False)[0].outputs[0]
+        hf = AutoModelForCausalLM.from_pretrained(bf16_path, dtype=torch.float32).eval()
+        expected = torch.log_softmax(hf(torch.tensor([prompt])).logits[0, -1].float(), -1)
+        for token, logprob in ours.logprobs[0]["top"].items():
+            assert abs(logprob - expected[token].item()) < 1e-3, (token, logprob, expected[token].item())
+        for flags, dtype in (("avx2 avx512f avx512_vnni", torch.float32), ("avx2 avx512f avx512_bf16", torch.float32),
+                             ("avx2 avx512f amx_bf16", torch.bfloat16)):
             monkeypatch.setenv("MODSERVE_CPU_FLAGS", flags)
             cpu_features.cache_clear()
             llm = _llm(bf16_path, "auto", compile="off")
@@ -168,5 +198,7 @@ def test_routes_forced_off_and_by_cpu_flags(bf16_path, monkeypatch):
         assert reference.engine.runner.kv_caches[0].dtype == torch.float32
     finally:
         cpu_features.cache_clear()
+        if load_few_rows_kernel():
+            set_few_rows_floats(cpu_features())
     with pytest.raises(Exception, match=r"bf16_gemm: on, but the checkpoint is float32, not bfloat16"):
         _llm(str(cached_checkpoint("llama", "tiny")), "on")

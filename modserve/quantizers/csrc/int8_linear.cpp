@@ -5,7 +5,8 @@
 // a quarter of float32's bytes and half of bfloat16's. Each weight row is read once for up
 // to 8 rows of x (9-16 rows take two passes), widened to float32 in registers and
 // multiplied in float32; the row's scale multiplies the finished sum, as the dequantizing
-// path's scaled output does. Threads claim output rows in pieces (row_passes.h).
+// path's scaled output does. A few weight rows are read side by side, the next few
+// prefetched. Threads claim output rows in pieces (row_passes.h).
 //
 // More rows than kMaxRows: q widened to float32 and a float32 GEMM, the output scaled. In
 // C++ so that one op serves every row count: a compiled region traces no branch on the rows.
@@ -16,55 +17,68 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#if defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>
+#endif
 
 #include "row_passes.h"
 
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <string>
+#include <vector>
 
 namespace {
 
-// Sixteen lanes where the CPU has AVX-512 (one vpmovsxbd, one vcvtdq2ps and one FMA per
-// 16 weights), else eight with AVX2. GCC turns the generic widening of int8 vectors into
-// scalar code (the AVX2 form of this kernel ran 4x slower with it), hence the intrinsics.
+// The widening of int8 to float32, one path per instruction set, all compiled where the
+// build's instructions allow (the widest runs; modserve_int8::linear_path names one, for
+// the tests). GCC turns the generic widening of int8 vectors into scalar code (an AVX2 form
+// of this kernel ran 4x slower with it), hence the intrinsics. `regs`: vector registers,
+// which bound how many accumulators a pass keeps.
 #if defined(__AVX512F__)
-constexpr int64_t kLanes = 16;
-typedef float vf __attribute__((vector_size(64)));
-inline vf load_int8(const int8_t* p) {
-  const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return reinterpret_cast<vf>(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q)));
-}
-inline float hsum(vf v) { return _mm512_reduce_add_ps(reinterpret_cast<__m512>(v)); }
-#elif defined(__AVX2__)
-constexpr int64_t kLanes = 8;
-typedef float vf __attribute__((vector_size(32)));
-inline vf load_int8(const int8_t* p) {
-  const __m128i q = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
-  return reinterpret_cast<vf>(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)));
-}
-inline float hsum(vf v) {
-  const vf a = v + __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3);
-  const vf b = a + __builtin_shufflevector(a, a, 2, 3, 0, 1, 6, 7, 4, 5);
-  return b[0] + b[1];
-}
-#else
-constexpr int64_t kLanes = 8;
-typedef float vf __attribute__((vector_size(32)));
-typedef int8_t i8x8 __attribute__((vector_size(8)));
-inline vf load_int8(const int8_t* p) {
-  i8x8 q;
-  std::memcpy(&q, p, sizeof q);
-  return __builtin_convertvector(q, vf);
-}
-inline float hsum(vf v) {
-  float s = 0.f;
-  for (int i = 0; i < 8; ++i) s += v[i];
-  return s;
-}
+struct Avx512 {  // one vpmovsxbd, one vcvtdq2ps and one FMA per row of x per 16 weights
+  static constexpr int64_t lanes = 16, regs = 32;
+  typedef float vf __attribute__((vector_size(64)));
+  static vf widen(const int8_t* p) {
+    const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    return reinterpret_cast<vf>(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q)));
+  }
+  static float hsum(vf v) { return _mm512_reduce_add_ps(reinterpret_cast<__m512>(v)); }
+};
 #endif
+#if defined(__AVX2__)
+struct Avx2 {
+  static constexpr int64_t lanes = 8, regs = 16;
+  typedef float vf __attribute__((vector_size(32)));
+  static vf widen(const int8_t* p) {
+    const __m128i q = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+    return reinterpret_cast<vf>(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)));
+  }
+  static float hsum(vf v) {
+    const vf a = v + __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3);
+    const vf b = a + __builtin_shufflevector(a, a, 2, 3, 0, 1, 6, 7, 4, 5);
+    return b[0] + b[1];
+  }
+};
+#endif
+struct Generic {  // any compiler and CPU: what the vector extensions make of it
+  static constexpr int64_t lanes = 8, regs = 16;
+  typedef float vf __attribute__((vector_size(32)));
+  typedef int8_t i8x8 __attribute__((vector_size(8)));
+  static vf widen(const int8_t* p) {
+    i8x8 q;
+    std::memcpy(&q, p, sizeof q);
+    return __builtin_convertvector(q, vf);
+  }
+  static float hsum(vf v) {
+    float s = 0.f;
+    for (int i = 0; i < 8; ++i) s += v[i];
+    return s;
+  }
+};
 
+template <class vf>
 inline vf load(const float* p) {
   vf r;
   std::memcpy(&r, p, sizeof r);
@@ -73,50 +87,99 @@ inline vf load(const float* p) {
 
 constexpr int64_t kPassRows = 8;  // rows one pass over q takes: their accumulators stay in registers
 constexpr int64_t kMaxRows = 16;  // beyond two passes, widening q for a float32 GEMM is faster
-constexpr int64_t kAhead = 4;     // the weight row this many rows on is prefetched (rows are short in bytes)
+constexpr int64_t kLine = 64;     // bytes of a cache line: the unit of the inner loop and its prefetch
+// How far ahead in each weight row a line is prefetched, into L1: 1 KiB read faster than
+// 512 B, 2 KiB, 4 KiB, or the same line of the next G rows (G whole rows ahead, up to 64 KiB
+// in flight: more than L1 holds).
+constexpr int64_t kAhead = 1024;
 
-// U accumulators per row of x split K, so the FMAs of one output do not wait on each other.
-// Here one (kAccumulators) was fastest at 1, 2 and 4 rows and no slower at 8: the 48
-// linears of the reference model at one row took 2.8-3.1 ms against 3.2-3.7 with four,
-// alternating in one process. The widening of int8 to float32 sets the pace, not the FMA
-// chain. (The same loop written without U ran 6% slower: GCC compiles it differently.)
-constexpr int64_t kAccumulators = 1;
+// Weight rows a pass reads side by side: as many as the M x G accumulators and G widened
+// vectors leave registers for, at most 8. One row at a time held one FMA chain per row of
+// x, and a single core then read at about half of what it streams with several rows: the
+// chains' latency, not memory, set the pace. Side by side, G rows also make G streams for
+// the prefetchers.
+template <class V, int64_t M>
+constexpr int64_t side_by_side() {
+  int64_t g = 8;
+  while (g > 1 && M * g + g + 2 > V::regs) g /= 2;
+  return g;
+}
 
-template <int64_t M, int64_t U>
+// y[m, n] = (sum_k x[m, k] q[n, k]) * s[n] + b[n] for output features [n_begin, n_end), G
+// weight rows at a time. Each output has one accumulator, summed over K in order of the
+// vector width and reduced at the end, then scaled: the G rows change no sum's order. Each
+// row's line kAhead bytes on is prefetched as a line is read (past a row's end: the next G
+// rows', possibly another thread's): a row of a few KiB is too short a stream for the
+// hardware prefetcher to ramp up.
+template <class V, int64_t M, int64_t G = side_by_side<V, M>()>
 void rows_times_int8(const float* x, const int8_t* q, const float* scale, const float* bias, float* y, int64_t K,
                      int64_t N, int64_t n_begin, int64_t n_end) {
-  constexpr int64_t step = kLanes * U;
-  for (int64_t n = n_begin; n < n_end; ++n) {
+  typedef typename V::vf vf;
+  constexpr int64_t L = V::lanes, U = kLine / L;  // vectors per cache line of a weight row
+  int64_t n = n_begin;
+  for (; n + G <= n_end; n += G) {
     const int8_t* qn = q + n * K;
-    const int8_t* ahead = n + kAhead < N ? qn + kAhead * K : qn;  // never past the end of q
-    vf acc[M][U] = {};
+    vf acc[M][G] = {};
     int64_t k = 0;
-    for (; k + step <= K; k += step) {
-      if (k % 64 < step) {  // once per 64-byte line of the row kAhead on
-        for (int64_t line = 0; line < step; line += 64) __builtin_prefetch(ahead + k + line, 0, 0);
+    for (; k + kLine <= K; k += kLine) {
+      const int64_t ahead = k + kAhead < K ? k + kAhead : k + kAhead + (G - 1) * K;  // from qn
+      if ((n + G - 1) * K + ahead < N * K) {  // never past the end of q
+        for (int64_t g = 0; g < G; ++g) __builtin_prefetch(qn + g * K + ahead, 0, 3);
       }
       for (int64_t u = 0; u < U; ++u) {
-        const vf wv = load_int8(qn + k + kLanes * u);
-        for (int64_t m = 0; m < M; ++m) acc[m][u] += load(x + m * K + k + kLanes * u) * wv;
+        vf w[G];
+        for (int64_t g = 0; g < G; ++g) w[g] = V::widen(qn + g * K + k + L * u);
+        for (int64_t m = 0; m < M; ++m) {
+          const vf xv = load<vf>(x + m * K + k + L * u);
+          for (int64_t g = 0; g < G; ++g) acc[m][g] += xv * w[g];
+        }
       }
     }
-    for (; k + kLanes <= K; k += kLanes) {
-      const vf wv = load_int8(qn + k);
-      for (int64_t m = 0; m < M; ++m) acc[m][0] += load(x + m * K + k) * wv;
+    for (; k + L <= K; k += L) {  // K % 64: whole vectors
+      for (int64_t g = 0; g < G; ++g) {
+        const vf w = V::widen(qn + g * K + k);
+        for (int64_t m = 0; m < M; ++m) acc[m][g] += load<vf>(x + m * K + k) * w;
+      }
     }
-    const float b = bias ? bias[n] : 0.f;
     for (int64_t m = 0; m < M; ++m) {
-      vf sum = acc[m][0];
-      for (int64_t u = 1; u < U; ++u) sum += acc[m][u];
-      float dot = hsum(sum);
-      for (int64_t j = k; j < K; ++j) dot += x[m * K + j] * static_cast<float>(qn[j]);  // K % kLanes
-      y[m * N + n] = dot * scale[n] + b;
+      for (int64_t g = 0; g < G; ++g) {
+        float dot = V::hsum(acc[m][g]);
+        for (int64_t j = k; j < K; ++j) dot += x[m * K + j] * static_cast<float>(qn[g * K + j]);  // K % lanes
+        y[m * N + n + g] = dot * scale[n + g] + (bias ? bias[n + g] : 0.f);
+      }
     }
+  }
+  if constexpr (G > 1) {  // the last rows of the range, one at a time
+    if (n < n_end) rows_times_int8<V, M, 1>(x, q, scale, bias, y, K, N, n, n_end);
   }
 }
 
-at::Tensor linear(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
-                  const c10::optional<at::Tensor>& bias) {
+// The compiled paths, widest first: linear() runs the first.
+const std::vector<std::string>& paths() {
+  static const std::vector<std::string> names = {
+#if defined(__AVX512F__)
+      "avx512",
+#endif
+#if defined(__AVX2__)
+      "avx2",
+#endif
+      "generic"};
+  return names;
+}
+
+template <class V>
+void few_rows(const float* x, const int8_t* q, const float* s, const float* b, float* y, int64_t M, int64_t K,
+              int64_t N) {
+  modserve::for_row_passes(M, N, kPassRows, [&](int64_t r, int64_t rows, int64_t begin, int64_t end) {
+    modserve::with_rows(rows, [&](auto m) {
+      constexpr int64_t R = decltype(m)::value;
+      rows_times_int8<V, R>(x + r * K, q, s, b, y + r * N, K, N, begin, end);
+    });
+  });
+}
+
+at::Tensor linear_with(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
+                       const c10::optional<at::Tensor>& bias, const std::string& path) {
   TORCH_CHECK(x.device().is_cpu() && qweight.device().is_cpu(), "modserve_int8.linear: CPU tensors only");
   TORCH_CHECK(x.scalar_type() == at::kFloat && qweight.scalar_type() == at::kChar &&
                   scales.scalar_type() == at::kFloat,
@@ -124,6 +187,9 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& qweight, const at::Tens
   TORCH_CHECK(x.dim() == 2 && qweight.dim() == 2 && x.size(1) == qweight.size(1) &&
                   scales.numel() == qweight.size(0),
               "modserve_int8.linear: x [M, K], qweight [N, K], scales [N]");
+  const auto& names = paths();
+  TORCH_CHECK(std::find(names.begin(), names.end(), path) != names.end(), "modserve_int8.linear: no path '", path,
+              "' in this build (", c10::Join(", ", names), ")");
   const int64_t M = x.size(0), K = x.size(1), N = qweight.size(0);
   if (M > kMaxRows) {  // a GEMM's worth of rows: widen q once and multiply in float32, as the dequant path does
     at::Tensor y = at::linear(x, qweight.to(at::kFloat)).mul_(scales);
@@ -137,13 +203,19 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& qweight, const at::Tens
   const float* sp = sc.data_ptr<float>();
   const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
   float* yp = y.data_ptr<float>();
-  modserve::for_row_passes(M, N, kPassRows, [&](int64_t r, int64_t rows, int64_t begin, int64_t end) {
-    modserve::with_rows(rows, [&](auto m) {
-      constexpr int64_t R = decltype(m)::value;
-      rows_times_int8<R, kAccumulators>(xp + r * K, qp, sp, bp, yp + r * N, K, N, begin, end);
-    });
-  });
+#if defined(__AVX512F__)
+  if (path == "avx512") few_rows<Avx512>(xp, qp, sp, bp, yp, M, K, N);
+#endif
+#if defined(__AVX2__)
+  if (path == "avx2") few_rows<Avx2>(xp, qp, sp, bp, yp, M, K, N);
+#endif
+  if (path == "generic") few_rows<Generic>(xp, qp, sp, bp, yp, M, K, N);
   return y;
+}
+
+at::Tensor linear(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
+                  const c10::optional<at::Tensor>& bias) {
+  return linear_with(x, qweight, scales, bias, paths().front());
 }
 
 }  // namespace
@@ -151,4 +223,8 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& qweight, const at::Tens
 TORCH_LIBRARY(modserve_int8, m) {
   m.def("linear(Tensor x, Tensor qweight, Tensor scales, Tensor? bias) -> Tensor");
   m.impl("linear", c10::DispatchKey::CPU, TORCH_FN(linear));
+  // The same product by a named path of this build, and the paths: for tests and benchmarks.
+  m.def("linear_path(Tensor x, Tensor qweight, Tensor scales, Tensor? bias, str path) -> Tensor");
+  m.impl("linear_path", c10::DispatchKey::CPU, TORCH_FN(linear_with));
+  m.def("paths() -> str[]", [] { return paths(); });
 }

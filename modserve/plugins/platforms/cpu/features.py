@@ -41,8 +41,16 @@ class CpuFeatures:
         """The route ``bf16_gemm: auto`` takes: oneDNN's bf16 GEMM on AMX tiles, where one
         streams weights faster than our few-rows kernel at every row count (benchmarks.md,
         CPU routes); the few-rows kernel elsewhere, the route measured on AVX512-BF16 and
-        AVX2 machines."""
+        AVX2 machines, and on AVX-512 ones without bf16 instructions, where oneDNN's bf16
+        GEMM converts in software and is slower than the kernel and the float32 GEMM alike."""
         return "bf16_gemm" if self.has("amx_bf16") else "few_rows"
+
+    def few_rows_floats(self) -> int:
+        """The vector width the few-rows kernel computes in: 16 floats on CPUs with AVX-512F but
+        no AVX512-BF16 (Intel Xeons up to Ice Lake; on an Ice Lake one it reads weights faster
+        than the 8-float loops: benchmarks.md, CPU routes); 8 elsewhere, the loops measured on
+        Zen 4 and AVX2 machines."""
+        return 16 if self.has("avx512f") and not self.has("avx512_bf16") else 8
 
 
 def parse_cpuinfo(text: str) -> CpuFeatures:

@@ -12,7 +12,8 @@ read once per token. A bfloat16 checkpoint's weights are exact in bfloat16, and
   attention, residual stream) stays float32.
 - ``few_rows`` (elsewhere): up to 16 rows, a C++ kernel (``csrc/bf16_linear.cpp``,
   ``modserve_cpu::few_rows_linear``) reads a 16-bit copy once per 8 rows and accumulates
-  float32 inputs exactly; prefill and larger batches keep float32 weights and GEMMs
+  float32 inputs exactly (in 16-float vectors on AVX-512 CPUs without AVX512-BF16:
+  :meth:`.features.CpuFeatures.few_rows_floats`); prefill and larger batches keep float32 weights and GEMMs
   (packed once at load where :mod:`.prepack` says so). Where the kernel cannot be built,
   or for a float16 copy, a compiled GEMV does the same for a single row.
 
@@ -30,7 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from modserve.api import Unquantized, float_layers, model_bytes
-from modserve.plugins.platforms.cpu.features import CpuFeatures
+from modserve.plugins.platforms.cpu.features import CpuFeatures, cpu_features
 from modserve.plugins.platforms.cpu.kernels import bf16_linear_ready
 
 logger = logging.getLogger("modserve")
@@ -158,8 +159,9 @@ def decode_weight_dtype(dtype_setting: str, compute: torch.dtype, checkpoint: to
         _bf16_kernel = load_few_rows_kernel()  # cached: the same answer for every model
     rows = "steps of up to 16 sequences read" if checkpoint == torch.bfloat16 and _bf16_kernel \
         else "single-sequence decode reads"
+    width = f" ({set_few_rows_floats(cpu_features())}-float vectors)" if rows.startswith("steps") else ""
     logger.info("dtype auto: prefill and larger batches in float32; %s the checkpoint's %s weights "
-                "(half the bytes) and accumulate in float32", rows, str(checkpoint).removeprefix("torch."))
+                "(half the bytes) and accumulate in float32%s", rows, str(checkpoint).removeprefix("torch."), width)
     return checkpoint
 
 
@@ -193,4 +195,14 @@ def load_few_rows_kernel() -> bool:
         return False
     torch.library.register_fake("modserve_cpu::few_rows_linear")(_few_rows_linear_fake)
     torch.library.register_fake("modserve_cpu::bf16_gemm_linear")(_bf16_gemm_linear_fake)
+    set_few_rows_floats(cpu_features())
     return True
+
+
+def set_few_rows_floats(features: CpuFeatures) -> int:
+    """Set the few-rows kernel's vector width for ``features`` (:meth:`CpuFeatures.few_rows_floats`;
+    8 where the kernel was built without AVX-512) and return it. Process-wide, like the
+    route: the kernel is loaded once per process."""
+    floats = features.few_rows_floats() if torch.ops.modserve_cpu.few_rows_avx512_built() else 8
+    torch.ops.modserve_cpu.set_few_rows_floats(floats)
+    return floats

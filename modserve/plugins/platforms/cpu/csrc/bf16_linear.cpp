@@ -24,6 +24,7 @@
 #include "vec8.h"  // v8, load8 (float32 and bf16), hsum
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <cstring>
 
@@ -116,6 +117,96 @@ void rows_times_weight_pairs(const float* x, const uint16_t* w, const float* bia
   }
   if (n < n_end) rows_times_weights<M, 1>(x, w, bias, y, K, N, n, n_end);
 }
+
+// -- the same at AVX-512 width, for CPUs without AVX512-BF16 ---------------------------
+//
+// Where the build has AVX-512F, a pass can widen 16 bf16 weights at once (one vpmovzxwd of a
+// 32-byte load and a shift) into one 16-float register. Taken where the CPU has AVX-512F but
+// no AVX512-BF16, such as Intel's Ice Lake Xeons (CpuFeatures.few_rows_floats in features.py,
+// through set_few_rows_floats); elsewhere the 8-float loops above, the ones measured on Zen 4.
+//
+// P weight rows are read side by side, each x load feeding P FMAs: P streams through
+// memory at once keep more cache-line fills in flight on one core than a single stream with
+// the hardware prefetcher alone, and P independent FMA chains per row of x hide the FMA
+// latency as the split accumulators above do. Each stream prefetches kAheadBytes on, one line
+// per 64 bytes read. One chain per output over K in steps of 16, summed across the lanes at
+// the end: the products are those of the 8-float loops, their float32 sums in another order.
+#ifdef __AVX512F__
+constexpr bool kHave16 = true;
+constexpr int64_t kAheadBytes = 512;
+
+inline __m512 widen16(const uint16_t* p) {  // sixteen bf16 -> sixteen float32, exactly
+  return _mm512_castsi512_ps(
+      _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+}
+
+inline __m512 widen8(const uint16_t* p) {  // eight bf16 into the low lanes, zeros above (K's tail)
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_zextsi128_si256(h)), 16));
+}
+
+template <int64_t M, int64_t P>
+void rows_times_weights16(const float* x, const uint16_t* w, const float* bias, float* y, int64_t K, int64_t N,
+                          int64_t n_begin, int64_t n_end) {
+  const char* w_end = reinterpret_cast<const char*>(w + N * K);
+  int64_t n = n_begin;
+  for (; n + P <= n_end; n += P) {
+    const uint16_t* wn = w + n * K;
+    __m512 acc[M][P];
+    for (int64_t m = 0; m < M; ++m)
+      for (int64_t p = 0; p < P; ++p) acc[m][p] = _mm512_setzero_ps();
+    int64_t k = 0;
+    for (; k + 16 <= K; k += 16) {
+      if (k % 32 == 0) {  // 32 bf16: a 64-byte line of each row
+        for (int64_t p = 0; p < P; ++p) {
+          const char* ahead = reinterpret_cast<const char*>(wn + p * K + k) + kAheadBytes;
+          if (ahead < w_end) _mm_prefetch(ahead, _MM_HINT_T0);  // never past the end of W
+        }
+      }
+      __m512 wv[P];
+      for (int64_t p = 0; p < P; ++p) wv[p] = widen16(wn + p * K + k);
+      for (int64_t m = 0; m < M; ++m) {
+        const __m512 xv = _mm512_loadu_ps(x + m * K + k);
+        for (int64_t p = 0; p < P; ++p) acc[m][p] = _mm512_fmadd_ps(xv, wv[p], acc[m][p]);
+      }
+    }
+    if (k < K) {  // K % 16 == 8
+      __m512 wv[P];
+      for (int64_t p = 0; p < P; ++p) wv[p] = widen8(wn + p * K + k);
+      for (int64_t m = 0; m < M; ++m) {
+        const __m512 xv = _mm512_maskz_loadu_ps(0xff, x + m * K + k);
+        for (int64_t p = 0; p < P; ++p) acc[m][p] = _mm512_fmadd_ps(xv, wv[p], acc[m][p]);
+      }
+    }
+    for (int64_t m = 0; m < M; ++m)
+      for (int64_t p = 0; p < P; ++p) y[m * N + n + p] = _mm512_reduce_add_ps(acc[m][p]) + (bias ? bias[n + p] : 0.f);
+  }
+  if constexpr (P > 1) {
+    if (n < n_end) rows_times_weights16<M, 1>(x, w, bias, y, K, N, n, n_end);
+  }
+}
+
+// Weight rows side by side for R rows of x: four up to four rows (at most 16 sums in
+// registers), three beyond (at most 24 of the 32).
+constexpr int64_t weight_rows16(int64_t rows) { return rows <= 4 ? 4 : 3; }
+#else
+constexpr bool kHave16 = false;
+#endif
+
+// The vector width bf16_linear computes in: 8, or 16 where the build has AVX-512F and
+// set_few_rows_floats(16) asked for it (once per process, at the route's choice).
+std::atomic<int64_t> few_rows_floats{8};
+
+void set_few_rows_floats(int64_t floats) {
+  TORCH_CHECK(floats == 8 || floats == 16, "modserve_cpu.set_few_rows_floats: 8 or 16, not ", floats);
+  TORCH_CHECK(floats == 8 || kHave16, "modserve_cpu.set_few_rows_floats: 16-float vectors need a build with "
+              "AVX-512F, which this CPU lacks");
+  few_rows_floats.store(floats);
+}
+
+int64_t get_few_rows_floats() { return few_rows_floats.load(); }
+
+bool few_rows_avx512_built() { return kHave16; }
 
 // -- float32 GEMM on panel-packed weights ---------------------------------------------
 //
@@ -232,11 +323,15 @@ at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& weight, const c10:
   // More than 8 rows: equal passes of up to 8 (12 rows: 6 + 6), each reading W once. Two
   // passes over bf16 weights move as many bytes as one over float32 ones, without the
   // GEMM's cost per row (9-16 rows: 10-25% less time than oneDNN's packed GEMM here).
+  [[maybe_unused]] const bool wide = few_rows_floats.load(std::memory_order_relaxed) == 16;  // read by AVX-512 builds
   modserve::for_row_passes(M, N, kPassRows, [&](int64_t r, int64_t rows, int64_t begin, int64_t end) {
     modserve::with_rows(rows, [&](auto m) {
       constexpr int64_t R = decltype(m)::value;
       const float* xr = xp + r * K;
       float* yr = yp + r * N;
+#ifdef __AVX512F__
+      if (wide) return rows_times_weights16<R, weight_rows16(R)>(xr, wp, bp, yr, K, N, begin, end);
+#endif
       if constexpr (R == 5 || R == 6) {
         rows_times_weight_pairs<R>(xr, wp, bp, yr, K, N, begin, end);
       } else {
@@ -390,10 +485,16 @@ TORCH_LIBRARY(modserve_cpu, m) {
   m.def("bf16_gemm_linear(Tensor x, Tensor weight, Tensor? packed, Tensor? bias) -> Tensor");
   m.def("bf16_dot_linear(Tensor x, Tensor weight) -> Tensor");
   m.def("bf16_dot_built() -> bool");
+  m.def("set_few_rows_floats(int floats) -> ()");
+  m.def("few_rows_floats() -> int");
+  m.def("few_rows_avx512_built() -> bool");
   // every backend, as few_rows_linear: a oneDNN-packed weight dispatches as MkldnnCPU
   m.impl("bf16_gemm_linear", c10::DispatchKey::CompositeExplicitAutograd, TORCH_FN(bf16_gemm_linear));
   m.impl("bf16_dot_linear", c10::DispatchKey::CPU, TORCH_FN(bf16_dot_linear));
   m.impl("bf16_dot_built", c10::DispatchKey::CatchAll, TORCH_FN(bf16_dot_built));
+  m.impl("set_few_rows_floats", c10::DispatchKey::CatchAll, TORCH_FN(set_few_rows_floats));
+  m.impl("few_rows_floats", c10::DispatchKey::CatchAll, TORCH_FN(get_few_rows_floats));
+  m.impl("few_rows_avx512_built", c10::DispatchKey::CatchAll, TORCH_FN(few_rows_avx512_built));
   m.impl("bf16_linear", c10::DispatchKey::CPU, TORCH_FN(bf16_linear));
   m.impl("panel_linear", c10::DispatchKey::CPU, TORCH_FN(panel_linear));
   // every backend: a oneDNN-packed weight makes a call dispatch as MkldnnCPU, not CPU
