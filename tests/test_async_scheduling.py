@@ -148,13 +148,20 @@ def test_preemption(llama_dir, pair, mode):
     small.shutdown()
 
 
-def test_speculative_ngram(llama_dir, pair):
-    prompts = ["a b c d e f a b c d e f a b c", "the model token cache " * 6]
+@pytest.mark.parametrize("proposer", ["ngram", "draft_model"])
+def test_speculative(llama_dir, checkpoint_dir, pair, proposer):
+    """ngram, and a draft model of one layer: it disagrees often (rejected slots go back), and
+    its KV of each sequence is caught up at proposal time, on the engine thread, with no
+    forward running."""
+    prompts = ["a b c d e f a b c d e f a b c", "the model token cache " * 6, *PROMPTS[:3]]
     params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
-    spec = make_llm(llama_dir, True, speculative={"proposer": "ngram", "num_speculative_tokens": 3})
+    chosen = "ngram" if proposer == "ngram" else \
+        {"name": "draft_model", "options": {"model": checkpoint_dir("llama", num_hidden_layers=1)}}
+    spec = make_llm(llama_dir, True, speculative={"proposer": chosen, "num_speculative_tokens": 3})
     assert seen(spec.generate(prompts, params, use_tqdm=False)) == \
         seen(pair[False].generate(prompts, params, use_tqdm=False))
-    assert spec.engine.stats()["spec_accepted_tokens"] > 0
+    stats = spec.engine.stats()
+    assert 0 < stats["spec_accepted_tokens"] < stats["spec_proposed_tokens"]
     spec.shutdown()
 
 

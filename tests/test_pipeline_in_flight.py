@@ -2,12 +2,14 @@
 pp_size steps of disjoint batches go through the stages at once.
 
 The tiny Llama at ``pipeline_parallel_size=2`` (mp executor, gloo, one thread per rank)
-against one rank: the same greedy tokens, texts, stops and logprobs for a mixed batch (10
-prompts of different lengths and max_tokens, n > 1, stop strings, a small KV cache so
-sequences are preempted), structured outputs, with async scheduling on too; steps really are
-in flight two at a time, of disjoint sequences; an abort mid-flight and shutdown with steps
-in flight leave every block free and no process behind. The scheduler's side (what it hides,
-what it refuses, when it frees) is checked on its own, without processes.
+against one rank: the same greedy tokens, texts, stops, logprobs and prompt logprobs for a
+mixed batch (10 prompts of different lengths and max_tokens, n > 1, stop strings, a small KV
+cache so sequences are preempted), with async scheduling on and swap preemption, at TP=2 x
+PP=2 too; structured outputs at PP=2 and TP=2 x PP=2; speculative decoding (ngram) in flight;
+steps really are in flight two at a time, of disjoint sequences; an abort mid-flight and
+shutdown with steps in flight leave every block free and no process behind. The scheduler's
+side (what it hides, what it refuses, when it frees, a swap-out no step carries) is checked
+on its own, without processes.
 """
 
 from __future__ import annotations
@@ -22,8 +24,9 @@ from modserve import LLM, SamplingParams, StructuredOutputs
 from modserve.core.contracts.scheduler import Schedule, Scheduler, SchedulerLimits
 from modserve.core.registry import PluginError
 from modserve.core.sampling_params import SamplingParams as SP
-from modserve.core.sequence import Sequence
-from modserve.engine.scheduler import SchedulerCore
+from modserve.core.sequence import Sequence, SequenceStatus
+from modserve.engine.pipeline_step import PipelinedSteps
+from modserve.engine.scheduler import SchedulerCore, SwapSpace
 from modserve.plugins.kv_allocators.paged import PagedAllocator
 from modserve.plugins.schedulers.fcfs import FCFSScheduler
 
@@ -45,6 +48,20 @@ def same_logprobs(a, b) -> None:
         assert x.keys() == y.keys() and all(abs(x[t].logprob - y[t].logprob) < 1e-4 for t in x)
 
 
+def same_prompt_logprobs(a, b) -> int:
+    """Every prompt token's entry the same (its token, rank and top tokens), each logprob within
+    1e-4; returns how many entries were compared."""
+    pairs = list(zip((e for o in a for e in o.prompt_logprobs or []), (e for o in b for e in o.prompt_logprobs or []),
+                     strict=True))
+    for x, y in pairs:
+        assert (x is None) == (y is None)
+        if x is not None:
+            assert (x["token_id"], x["rank"], x["top"].keys()) == (y["token_id"], y["rank"], y["top"].keys())
+            assert abs(x["logprob"] - y["logprob"]) < 1e-4
+            assert all(abs(x["top"][t] - y["top"][t]) < 1e-4 for t in x["top"])
+    return sum(x is not None for x, _ in pairs)
+
+
 def watch_steps(llm: LLM) -> dict[str, int]:
     """Count, on rank 0, how deep the pipeline got; fail a step that shares a sequence with one in flight."""
     eng, seen_depth = llm.engine, {"max": 0, "submitted": 0}
@@ -61,15 +78,26 @@ def watch_steps(llm: LLM) -> dict[str, int]:
     return seen_depth
 
 
-# The engines compared with one rank (ranks of one process group: one such engine at a time)
+def one_layer_draft(checkpoint_dir) -> dict:
+    """A draft model that disagrees often (rejections), with KV of its own per sequence."""
+    draft = checkpoint_dir("llama", num_hidden_layers=1)
+    return {"proposer": {"name": "draft_model", "options": {"model": draft}}, "num_speculative_tokens": 3}
+
+
+# The engines compared with one rank (ranks of one process group: one such engine at a time);
+# a callable value is made from the checkpoint_dir fixture
 CONFIGS = {"pp2": dict(pipeline_parallel_size=2),
-           "pp2-async": dict(pipeline_parallel_size=2, async_scheduling=True),
+           # swap preemption: the KV of a sequence not in flight goes to the host and back
+           "pp2-async-swap": dict(pipeline_parallel_size=2, async_scheduling=True, preemption_mode="swap",
+                                  num_swap_blocks=64),
+           "pp2-ngram": dict(pipeline_parallel_size=2, speculative={"proposer": "ngram", "num_speculative_tokens": 3}),
+           "pp2-draft": dict(pipeline_parallel_size=2, speculative=one_layer_draft),
            "tp2-pp2": dict(pipeline_parallel_size=2, tensor_parallel_size=2),
            "pp2-off": dict(pipeline_parallel_size=2, pipeline_in_flight=False)}
 
 
 @pytest.fixture(scope="module")
-def engines(llama_dir) -> Iterator[Callable[[str], LLM]]:
+def engines(llama_dir, checkpoint_dir) -> Iterator[Callable[[str], LLM]]:
     """``engines(name)``: one rank (``pp1``, the oracle), or one of CONFIGS, the one before shut down."""
     pp1, current = LLM(llama_dir, **ENGINE), {}
 
@@ -79,7 +107,8 @@ def engines(llama_dir) -> Iterator[Callable[[str], LLM]]:
         if current.get("name") != name:
             if current:
                 current.pop("llm").shutdown()
-            current["llm"] = llm = LLM(llama_dir, **ENGINE, **CONFIGS[name])
+            config = {k: v(checkpoint_dir) if callable(v) else v for k, v in CONFIGS[name].items()}
+            current["llm"] = llm = LLM(llama_dir, **ENGINE, **config)
             current["name"], llm.depth = name, watch_steps(llm) if llm.engine.overlap else None
         return current["llm"]
 
@@ -97,6 +126,8 @@ def mixed_params(stops: list[str]) -> list[SamplingParams]:
             p.update(n=2, temperature=1.0, seed=11)
         if i % 3 == 1:
             p["stop"] = stops
+        if i in (2, 6, 9):  # 9: the longest prompt, cut in micro-batches
+            p["prompt_logprobs"] = 2
         out.append(SamplingParams(**p))
     return out
 
@@ -109,14 +140,16 @@ def mixed_batch_identical_to_one_rank(engines, name: str) -> None:
     oracle = engines("pp1").generate(PROMPTS, params, use_tqdm=False)
     expected = seen(oracle)
     llm = engines(name)
-    before = llm.engine.stats()["num_preemptions"]
+    preempted = f"preemptions_{llm.engine.config.preemption_mode}"
+    before = llm.engine.stats()[preempted]
     outs = llm.generate(PROMPTS, params, use_tqdm=False)
     assert seen(outs) == expected
     same_logprobs(outs, oracle)
+    assert same_prompt_logprobs(outs, oracle) >= 3 * 2
     assert llm.depth is None or llm.depth["max"] == 2, "never two steps in flight"
     assert any(c[2] == "stop" for o in expected for c in o) and len(expected[3]) == 2
     if llm.depth is not None:  # one step at a time needs fewer blocks: no preemption there
-        assert llm.engine.stats()["num_preemptions"] > before, "the workload preempted nothing"
+        assert llm.engine.stats()[preempted] > before, f"the workload made no {preempted}"
     assert llm.engine.allocator.num_free_blocks() == llm.engine.allocator.num_blocks
 
 
@@ -124,14 +157,20 @@ def test_mixed_batch_identical_to_one_rank(engines):
     mixed_batch_identical_to_one_rank(engines, "pp2")
 
 
-def test_structured_outputs(engines):
-    schema = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "string", "maxLength": 6}},
-              "required": ["a", "b"], "additionalProperties": False}
-    params = SamplingParams(n=2, temperature=1.0, seed=3, max_tokens=60,
-                            structured_outputs=StructuredOutputs(json=schema))
-    expected = seen(engines("pp1").generate(PROMPTS[:4], params, use_tqdm=False))
-    assert seen(engines("pp2").generate(PROMPTS[:4], params, use_tqdm=False)) == expected
+SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "string", "maxLength": 6}},
+          "required": ["a", "b"], "additionalProperties": False}
+STRUCTURED = SamplingParams(n=2, temperature=1.0, seed=3, max_tokens=60,
+                            structured_outputs=StructuredOutputs(json=SCHEMA))
+
+
+def structured_identical_to_one_rank(engines, name: str) -> None:
+    expected = seen(engines("pp1").generate(PROMPTS[:4], STRUCTURED, use_tqdm=False))
+    assert seen(engines(name).generate(PROMPTS[:4], STRUCTURED, use_tqdm=False)) == expected
     assert any(c[2] == "stop" for o in expected for c in o)  # finished by the grammar, at the same token
+
+
+def test_structured_outputs(engines):
+    structured_identical_to_one_rank(engines, "pp2")
 
 
 def test_abort_mid_flight_frees_every_block(engines):
@@ -165,22 +204,34 @@ def test_abort_mid_flight_frees_every_block(engines):
 def test_async_scheduling_on(engines):
     """Async scheduling's overlap is the pipeline's here (a step's outputs are processed while the
     later stages run the next): the same engine path, the same tokens."""
-    mixed_batch_identical_to_one_rank(engines, "pp2-async")
+    mixed_batch_identical_to_one_rank(engines, "pp2-async-swap")
 
 
-def test_tp2_pp2_identical_to_one_rank(engines):
-    """Four ranks: stage 0 is ranks 0-1, stage 1 ranks 2-3; rank 0's messages reach all three."""
-    mixed_batch_identical_to_one_rank(engines, "tp2-pp2")
+def test_swap_preemption_of_the_one_sequence_not_in_flight(engines):
+    """Two long sequences, one per step in flight, outgrow the KV cache: the one the policy sees
+    swaps itself out in a step that schedules nothing. Its KV must reach the host all the same
+    (with the next step that runs): it comes back with the tokens of one rank."""
+    prompts, params = PROMPTS[5:3:-1], SamplingParams(temperature=0, max_tokens=100, ignore_eos=True)
+    expected = seen(engines("pp1").generate(prompts, params, use_tqdm=False))
+    llm = engines("pp2-async-swap")
+    sched, lone = llm.engine.scheduler, []
+    step = sched.step
 
+    def watched(*args):
+        out = step(*args)
+        lone.extend(out.preempted if not out.seqs else [])
+        return out
 
-def test_one_step_at_a_time_identical_to_one_rank(engines):
-    """--no-pipeline-in-flight: the engine as before, steps one at a time."""
-    mixed_batch_identical_to_one_rank(engines, "pp2-off")
-    assert engines("pp2-off").engine.overlap is None
+    sched.step = watched
+    try:
+        assert seen(llm.generate(prompts, params, use_tqdm=False)) == expected
+    finally:
+        del sched.step
+    assert lone, "no step swapped out its one sequence"
 
 
 def test_stage_times_and_shutdown_with_steps_in_flight(engines):
-    llm = engines("pp2-async")
+    llm = engines("pp2-async-swap")
     eng = llm.engine
     pids = [p.pid for p in eng.executor.procs]
     llm.generate(PROMPTS[:4], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
@@ -199,6 +250,56 @@ def test_stage_times_and_shutdown_with_steps_in_flight(engines):
     for i in range(len(PROMPTS)):  # what the server does with requests left at shutdown
         eng.abort_request(f"r{i}")
     assert eng.allocator.num_free_blocks() == eng.allocator.num_blocks
+
+
+def test_tp2_pp2_identical_to_one_rank(engines):
+    """Four ranks: stage 0 is ranks 0-1, stage 1 ranks 2-3; rank 0's messages reach all three."""
+    mixed_batch_identical_to_one_rank(engines, "tp2-pp2")
+
+
+def test_tp2_pp2_structured_outputs(engines):
+    """Rank 0 computes the grammar's bitmask; the logits come from the last stage's TP rank 0."""
+    structured_identical_to_one_rank(engines, "tp2-pp2")
+
+
+def test_one_step_at_a_time_identical_to_one_rank(engines):
+    """--no-pipeline-in-flight: the engine as before, steps one at a time."""
+    mixed_batch_identical_to_one_rank(engines, "pp2-off")
+    assert engines("pp2-off").engine.overlap is None
+
+
+@pytest.fixture(scope="module")
+def spec_workload(engines) -> tuple[list[str], list[SamplingParams], list]:
+    """Greedy prompts (one that repeats itself: ngram drafts) with stop strings, logprobs and
+    prompt logprobs, and what one rank without speculation makes of them."""
+    prompts = [*PROMPTS, "a b c d e f a b c d e f a b c"]
+    free = seen(engines("pp1").generate(prompts, SamplingParams(temperature=0, max_tokens=21, ignore_eos=True),
+                                        use_tqdm=False))
+    stops = [t for o in free if (t := o[0][1][len(o[0][1]) // 2:len(o[0][1]) // 2 + 2]).strip()]
+    params = [SamplingParams(temperature=0, max_tokens=8 + 4 * (i % 4), ignore_eos=True, logprobs=2,
+                             stop=stops if i % 3 == 1 else None, prompt_logprobs=2 if i % 4 == 2 else None)
+              for i in range(len(prompts))]
+    return prompts, params, engines("pp1").generate(prompts, params, use_tqdm=False)
+
+
+@pytest.mark.parametrize("name", ["pp2-ngram", "pp2-draft"])
+def test_speculative_decoding_in_flight(engines, spec_workload, name):
+    """Each step's drafts are proposed from its sequences' applied tokens (none of them is in
+    another step in flight) and verified on the last stage's logits: the tokens of one rank
+    without speculation, with preemption (recompute) and prompt logprobs on the way."""
+    prompts, params, oracle = spec_workload
+    llm = engines(name)
+    assert isinstance(llm.engine.overlap, PipelinedSteps)
+    before = llm.engine.stats()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    assert seen(outs) == seen(oracle)
+    same_logprobs(outs, oracle)
+    assert same_prompt_logprobs(outs, oracle) > 0
+    stats = {k: v - before[k] for k, v in llm.engine.stats().items() if k.startswith(("spec_", "preemptions_"))}
+    assert 0 < stats["spec_accepted_tokens"] < stats["spec_proposed_tokens"], "no draft accepted, or none rejected"
+    assert stats["preemptions_recompute"] > 0, "the workload preempted nothing"
+    assert llm.depth["max"] == 2, "never two steps in flight"
+    assert llm.engine.allocator.num_free_blocks() == llm.engine.allocator.num_blocks
 
 
 # -- the scheduler's side, without processes ------------------------------------------------
@@ -276,6 +377,37 @@ def test_an_ended_sequence_keeps_its_blocks_until_its_step_settles():
     for s in seqs[1:]:
         sched.finish(s, "abort")
     assert alloc.num_free_blocks() == alloc.num_blocks
+
+
+def test_a_swap_out_of_a_step_that_never_runs_goes_with_the_next():
+    """Steps in flight hold blocks the policy does not see: the one sequence it sees may have to
+    preempt itself (swap), and that step schedules nothing, so it never runs. Its copies to the
+    host go with the next step that runs, ahead of that step's forward (which may reuse the
+    blocks), else the sequence would come back with KV never saved."""
+    limits = SchedulerLimits(max_num_seqs=8, max_num_batched_tokens=256, max_model_len=64)
+    alloc = PagedAllocator(num_blocks=3, block_size=4, max_model_len=64)
+    sched = SchedulerCore(FCFSScheduler(limits), alloc, limits, "fcfs", "swap", SwapSpace(8))
+    sched.pipeline_depth = 2
+    a, b = seqs = [Sequence(i, f"r{i}", [5, 6, 7, 8 + i], 4, SP(), 0.0) for i in range(2)]
+    for s in seqs:  # prompts of one full block each, then a sampled token: each decode needs a block
+        sched.add(s)
+    prefill = sched.step()
+    for s in seqs:
+        s.num_computed_tokens = 4
+        s.token_ids.append(1)
+    sched.settled(prefill)
+    first = sched.step()
+    assert first.seqs == [a] and alloc.num_free_blocks() == 0
+    (block,) = b.block_ids
+    lone = sched.step()
+    assert lone.seqs == [] and lone.preempted == [b] and b.status is SequenceStatus.SWAPPED
+    a.num_computed_tokens = 5  # its step applied
+    a.token_ids.append(1)
+    sched.settled(first)
+    nxt = sched.step()
+    assert nxt.seqs == [a], "a step that runs"
+    assert [d for d, _ in nxt.swap_out] == [block], "the lone step's swap-out was lost"
+    assert sched.step().swap_out == [], "a swap-out sent twice"
 
 
 def test_the_flag_turns_it_off(llama_dir):

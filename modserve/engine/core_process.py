@@ -4,9 +4,10 @@ in a process of its own, fed by an API server over ZMQ (messages in core_protoco
 Started by the server (``modserve.server.engine_process``) as ``python -m
 modserve.engine.core_process`` with its launch spec as JSON on stdin. It says Hello, waits
 for Start, builds the engine, says Ready, then loops: apply what came in, step, send what
-came out. A thread of its own sends a Heartbeat every HEARTBEAT_S with how long the running
-step has run and the stats last read between steps, so the server can tell a busy engine
-from a hung or stopped one without ever waiting on it.
+came out: token ids, never text (the API server detokenizes them, finds the stop strings, and
+says where one ended a sequence: StopSequence). A thread of its own sends a Heartbeat every
+HEARTBEAT_S with how long the running step has run and the stats last read between steps, so
+the server can tell a busy engine from a hung or stopped one without ever waiting on it.
 
 NOTE: the process dies with its server: PR_SET_PDEATHSIG sends it SIGKILL when the server
 goes (kill -9 included), and its workers' watchdogs end them once their parent is gone.
@@ -58,7 +59,6 @@ class EngineCore:
         self.engine = engine
         self.inbox, self.outbox = inbox, outbox
         self.compiles: dict[int, Future] = {}  # key -> the grammar compiler's Future
-        self.deltas = p.OutputDeltas()
         self.step_started: float | None = None  # read by the heartbeat thread
         self.stats: dict[str, Any] = engine.stats()  # replaced whole, never mutated: the heartbeat reads it
         self.stats_time = time.monotonic()
@@ -91,8 +91,8 @@ class EngineCore:
                 continue
             finally:
                 self.step_started = None
-            if outputs:
-                self._send(p.Outputs([self.deltas.encode(o) for o in outputs]))
+            if outputs:  # CoreOutputs: the engine was built with detokenize=False
+                self._send(p.Outputs(outputs))
 
     # -- messages in ------------------------------------------------------------------------------
     def _drain(self, timeout: float) -> bool:
@@ -120,13 +120,28 @@ class EngineCore:
         elif isinstance(message, p.Abort):
             for rid in message.request_ids:
                 engine.abort_request(rid)
-                self.deltas.forget(rid)
+        elif isinstance(message, p.StopSequence):
+            self._stop(message)
         elif isinstance(message, p.CompileGrammar):
             self.compiles[message.key] = engine.grammar.submit(p.unpack(message.spec))
         elif isinstance(message, p.StopCompiles):
             engine.grammar.close()
         elif isinstance(message, p.Utility):
             self._send(self._utility(message))
+
+    def _stop(self, message: p.StopSequence) -> None:
+        """End a sequence at the stop string the API server found in its text (as the in-process
+        engine's _emit does); it may have stepped on since, or ended otherwise meanwhile."""
+        engine = self.engine
+        req = engine.requests.get(message.request_id)
+        if req is None:
+            return  # ended already: its blocks are free
+        seq = req.seqs[message.index]
+        if not seq.is_finished:
+            engine.spec.forget(seq)
+        engine.scheduler.finish(seq, "stop", message.stop, message.num_output_tokens)
+        if req.finished:  # the server showed its end already
+            del engine.requests[message.request_id]
 
     def _utility(self, message: p.Utility) -> p.UtilityDone:
         if message.method not in p.UTILITY_METHODS:
@@ -149,7 +164,6 @@ class EngineCore:
         kind = "plugin" if isinstance(error, PluginError) else "engine"
         message = str(error) if kind == "plugin" else f"{what}: {error}"
         for rid in request_ids:
-            self.deltas.forget(rid)
             try:
                 self.engine.abort_request(rid)
             except Exception:
@@ -245,7 +259,7 @@ def _build(config_json: str, dp_rank: int) -> Any:
     from modserve.core.config import EngineConfig
     from modserve.engine.engine import LLMEngine
 
-    return LLMEngine(EngineConfig.model_validate_json(config_json), progress=False, dp_rank=dp_rank)
+    return LLMEngine(EngineConfig.model_validate_json(config_json), progress=False, dp_rank=dp_rank, detokenize=False)
 
 
 def _serve(engine: Any, context: zmq.Context, inbox: zmq.Socket, outbox: zmq.Socket, beats: str) -> int:

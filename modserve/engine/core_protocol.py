@@ -3,27 +3,27 @@
 Transport: ZMQ sockets (PUSH/PULL, one way each) carrying msgspec MessagePack. ZMQ, as vLLM's
 engine core uses it: message framing, queueing while a peer is busy, ipc:// on one machine and
 tcp:// across machines with the same code; msgspec: typed, versioned structs that decode
-several times faster than pickle. The payloads that are the engine's own Python objects
-(SamplingParams, RequestOutput, EngineLimits, a grammar spec) travel pickled inside a
+several times faster than pickle. A step's outputs are token ids, logprob ids and values and
+finish reasons (CoreOutput), never text: the API server's output processor
+(``modserve.engine.output_processor``) detokenizes them and searches them for stop strings, and
+tells the core where a stop string ended a sequence (StopSequence). The payloads that are the
+engine's own Python objects (SamplingParams, EngineLimits, a grammar spec) travel pickled inside a
 ``bytes`` field: both ends run the same modserve, and these objects carry nested dataclasses,
 enums and tensors-free lists that would otherwise need a schema of their own each.
 
-Server -> core (the core's ``inbox``): Start, Add, Abort, CompileGrammar, StopCompiles, Utility,
-Shutdown. Core -> server (``outbox``): Hello, Ready, Outputs, GrammarDone, UtilityDone, Dead, Failed.
+Server -> core (the core's ``inbox``): Start, Add, Abort, StopSequence, CompileGrammar, StopCompiles,
+Utility, Shutdown. Core -> server (``outbox``): Hello, Ready, Outputs, GrammarDone, UtilityDone, Dead, Failed.
 Core -> server (``beats``, from a thread of its own): Heartbeat, while the core process runs.
 """
 
 from __future__ import annotations
 
 import pickle
-from dataclasses import dataclass
 from typing import Any, Union
 
 import msgspec
 
-from modserve.core.outputs import CompletionOutput, RequestMetrics, RequestOutput
-
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: outputs as token ids (CoreOutput), StopSequence
 
 
 # -- server -> core -------------------------------------------------------------------------------
@@ -43,6 +43,15 @@ class Add(msgspec.Struct, tag=True):
 
 class Abort(msgspec.Struct, tag=True):
     request_ids: list[str]
+
+
+class StopSequence(msgspec.Struct, tag=True):
+    """The API server found a stop string in sample ``index``'s text: the core ends it there,
+    keeping ``num_output_tokens`` (the tokens it sampled since are dropped)."""
+    request_id: str
+    index: int
+    stop: str
+    num_output_tokens: int
 
 
 class CompileGrammar(msgspec.Struct, tag=True):
@@ -69,7 +78,7 @@ class Shutdown(msgspec.Struct, tag=True):
     pass
 
 
-ToCore = Union[Start, Add, Abort, CompileGrammar, StopCompiles, Utility, Shutdown]
+ToCore = Union[Start, Add, Abort, StopSequence, CompileGrammar, StopCompiles, Utility, Shutdown]
 
 
 # -- core -> server -------------------------------------------------------------------------------
@@ -95,8 +104,31 @@ class RequestError(msgspec.Struct):
     message: str
 
 
+class SampleOutput(msgspec.Struct, array_like=True, omit_defaults=True):
+    """One sample's news since its request's last CoreOutput."""
+    index: int
+    token_ids: list[int]  # the new output tokens
+    logprobs: list[dict[str, Any]] | None = None  # their entries (ids and values), with params.logprobs
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+
+
+class CoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
+    """What one step (or an abort, an error) changed of a request, as token ids (vLLM's
+    EngineCoreOutput); mutable: the engine sets ``error`` on a failed request's."""
+    request_id: str
+    samples: list[SampleOutput]
+    time: float | None = None  # when the step's tokens were read; None: made outside a step (an abort)
+    num_cached_tokens: int = 0
+    scheduled_time: float | None = None
+    prompt_logprobs: list[dict[str, Any] | None] | None = None  # the prompt entries scored since the last one
+    finished: bool = False  # every sample ended, as the core sees it (it lets go of the request)
+    error: str | None = None
+    error_kind: str | None = None
+
+
 class Outputs(msgspec.Struct, tag=True):
-    outputs: list[bytes]  # each a request's output: whole the first time, then what changed (OutputDeltas)
+    outputs: list[CoreOutput]
     errors: list[RequestError] = []
 
 
@@ -141,80 +173,6 @@ def decode_to_core(data: bytes) -> ToCore:
 
 def decode_from_core(data: bytes) -> FromCore:
     return _from_core.decode(data)
-
-
-# -- outputs as deltas ------------------------------------------------------------------------------
-@dataclass(slots=True)
-class _Delta:
-    """What changed in a request's output since the one sent before it."""
-    request_id: str
-    finished: bool
-    completions: list[tuple]  # (index, text, token_ids, logprobs, finish_reason, stop_reason): the new parts
-    token_times: list[float]
-    first_token_time: float | None
-    finished_time: float | None
-    scheduled_time: float | None
-    num_cached_tokens: int
-    error: str | None
-    error_kind: str | None
-
-
-class OutputDeltas:
-    """Each request's output, sent whole the first time, then as what changed.
-
-    The engine's outputs are cumulative: every step's holds the prompt (and its logprobs) and
-    every token so far. Sent whole each step, a request with prompt logprobs of a long prompt
-    would cost its whole size per step. The core's instance ``encode``s; the server's
-    ``decode``s into whole, new RequestOutputs again; each ``forget``s a request that ends.
-    """
-
-    def __init__(self) -> None:
-        self._sent: dict[str, tuple[list[tuple[int, int, int]], int]] = {}  # core: lengths sent
-        self._whole: dict[str, RequestOutput] = {}  # server: the last output rebuilt
-
-    def encode(self, out: RequestOutput) -> bytes:
-        prev = self._sent.pop(out.request_id, None)
-        if not out.finished:
-            self._sent[out.request_id] = ([(len(c.text), len(c.token_ids), len(c.logprobs or ())) for c in out.outputs],
-                                          len(out.metrics.token_times))
-        if prev is None or len(prev[0]) != len(out.outputs) or any(
-                len(c.text) < t or len(c.token_ids) < n for c, (t, n, _) in zip(out.outputs, prev[0])):
-            return pack(out)
-        m = out.metrics
-        parts = [(c.index, c.text[t:], c.token_ids[n:], None if c.logprobs is None else c.logprobs[k:],
-                  c.finish_reason, c.stop_reason) for c, (t, n, k) in zip(out.outputs, prev[0])]
-        return pack(_Delta(out.request_id, out.finished, parts, m.token_times[prev[1]:], m.first_token_time,
-                           m.finished_time, m.scheduled_time, out.num_cached_tokens, out.error, out.error_kind))
-
-    def decode(self, data: bytes) -> RequestOutput | None:
-        """The whole output again; None for a delta of a request forgotten here (aborted)."""
-        got = unpack(data)
-        if isinstance(got, _Delta):
-            base = self._whole.get(got.request_id)
-            if base is None:
-                return None
-            got = _apply(base, got)
-        if got.finished:
-            self._whole.pop(got.request_id, None)
-        else:
-            self._whole[got.request_id] = got
-        return got
-
-    def forget(self, request_id: str) -> None:
-        self._sent.pop(request_id, None)
-        self._whole.pop(request_id, None)
-
-
-def _apply(base: RequestOutput, d: _Delta) -> RequestOutput:
-    outputs = [CompletionOutput(index, old.text + text, old.token_ids + token_ids, finish_reason, stop_reason,
-                                None if logprobs is None else (old.logprobs or []) + logprobs)
-               for old, (index, text, token_ids, logprobs, finish_reason, stop_reason) in zip(base.outputs,
-                                                                                              d.completions)]
-    m = base.metrics
-    metrics = RequestMetrics(m.arrival_time, d.first_token_time, d.finished_time, m.token_times + d.token_times,
-                             d.scheduled_time)
-    return RequestOutput(base.request_id, base.prompt, base.prompt_token_ids, outputs, d.finished, metrics,
-                         d.num_cached_tokens, base.prompt_logprobs, d.error, d.error_kind)  # type: ignore[arg-type]
 
 
 def pack(obj: Any) -> bytes:

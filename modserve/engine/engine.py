@@ -21,7 +21,7 @@ from modserve.core.config import EngineConfig
 from modserve.core.lora_request import LoRARequest
 from modserve.core.contracts.platform import Platform
 from modserve.core.contracts.scheduler import SchedulerLimits
-from modserve.core.outputs import RequestMetrics, RequestOutput
+from modserve.core.outputs import RequestOutput
 from modserve.core.registry import PluginError, Registry, get_registry
 from modserve.core.sampling_params import SamplingParams
 from modserve.core.sequence import Sequence
@@ -34,7 +34,7 @@ from modserve.engine.grammar_compile import CompiledGrammar
 from modserve.engine.isolation import CulpritIsolation
 from modserve.engine.kv_events import KVEventStream
 from modserve.engine.limits import EngineLimits
-from modserve.engine.output import OutputProcessor, Request, SampleText, stamp_scheduled
+from modserve.engine.output import InProcessOutputs, OutputProcessor, Request, TokenReader, new_request, stamp_scheduled
 from modserve.engine.preprocess import preprocess_request
 from modserve.engine.scheduler import SchedulerCore, SwapSpace
 from modserve.engine.spec_decode import SpecDecode
@@ -52,8 +52,8 @@ NOT_POOLING = "the model is not served as an embedding model: start it with --ru
 
 class LLMEngine:
     def __init__(self, config: EngineConfig, registry: Registry | None = None, progress: bool = True,
-                 dp_rank: int = 0) -> None:
-        self.config, self.dp_rank = config, dp_rank  # dp_rank: which data-parallel replica (KV events)
+                 dp_rank: int = 0, detokenize: bool = True) -> None:
+        self.config, self.dp_rank, self.detokenize = config, dp_rank, detokenize  # False: outputs are CoreOutputs
         registry = registry or get_registry()
         check_plugin_choices(config, registry)  # a typo fails now, not after the weights loaded
         setup = prepare_rank(config, registry)  # the platform, seed, checkpoint config: before any rank starts
@@ -106,10 +106,10 @@ class LLMEngine:
         self.counters = {"prompt_tokens": 0, "computed_tokens": 0, "generation_tokens": 0, "steps": 0}
         self.spec = SpecDecode.create(config, registry, self.runner, self.num_blocks, self.max_model_len)
         self.isolation = CulpritIsolation(self.scheduler, self.spec.forget)
-        self.outputs = OutputProcessor(self.eos_token_ids)
+        self.outputs = InProcessOutputs(OutputProcessor(self.tokenizer)) if self.detokenize else TokenReader()
         self.overlap: OverlappedSteps | PipelinedSteps | None = \
             OverlappedSteps(self) if config.async_scheduling else None
-        if config.pipeline_parallel_size > 1 and config.pipeline_in_flight and self.spec.proposer is None:
+        if config.pipeline_parallel_size > 1 and config.pipeline_in_flight:
             # NOTE: it overlaps a step's output processing with the later stages' work, what
             # async scheduling does with a thread: with both on, this runs
             self.overlap = PipelinedSteps(self, config.pipeline_parallel_size)
@@ -187,16 +187,16 @@ class LLMEngine:
 
     def _new_request(self, request_id: str, text: str | None, token_ids: list[int], params: SamplingParams,
                      arrival_time: float, priority: int, lora_request: LoRARequest | None = None) -> Request:
-        seqs, samples = [], []
+        seqs = []
         for i in range(params.n):
             seq = Sequence(next(self._seq_ids), request_id, list(token_ids), len(token_ids), params,
                            arrival_time, index=i, priority=priority, lora_request=lora_request)
             if params.seed is not None:
                 seq.generator = torch.Generator(self.runner.device).manual_seed(params.seed + i)
             seqs.append(seq)
-            samples.append(SampleText(self.tokenizer.stream(params.skip_special_tokens)))
-        return Request(request_id, text, token_ids, params, seqs, samples, RequestMetrics(arrival_time=arrival_time),
-                       None if params.prompt_logprobs is None else [None])
+        req = new_request(request_id, token_ids, params, seqs)
+        self.outputs.add(req, text, arrival_time)  # its user side: here, or in the API server
+        return req
 
     def add_lora(self, request: LoRARequest) -> None:
         """Check and cache an adapter (vLLM's name); a ValueError says why it cannot run here."""

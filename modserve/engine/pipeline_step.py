@@ -13,9 +13,10 @@ without this. vLLM's engine core does the same with its batch queue
 (``step_with_batch_queue``, as deep as the pipeline).
 
 NOTE: a sequence is in at most one step in flight, so each step is scheduled, sampled and
-checked (stops, grammar bitmask, penalties) from exact state: greedy tokens are those of
-one step at a time. A sequence that ends while its step is in flight (an abort) keeps its
-blocks until that step is applied or abandoned (:meth:`SchedulerCore.settled`).
+checked (stops, grammar bitmask, penalties) and its drafts proposed (speculative decoding)
+from exact state: greedy tokens are those of one step at a time. A sequence that ends while
+its step is in flight (an abort) keeps its blocks until that step is applied or abandoned
+(:meth:`SchedulerCore.settled`).
 """
 
 from __future__ import annotations
@@ -48,7 +49,8 @@ class PipelinedSteps:
         # Culprit isolation runs one step at a time: it evicts every sequence between steps.
         depth = 1 if eng.isolation.active else self.depth
         while len(self.in_flight) < depth and eng.scheduler.has_work():
-            scheduled = eng.scheduler.step()
+            scheduled = eng.scheduler.step(eng.spec.reserve(eng.scheduler.running, eng._max_tokens))
+            eng.spec.propose(scheduled)  # from the sequences' applied tokens: the drafts are exact
             if not scheduled.seqs:  # every schedulable sequence is in flight
                 break
             stamp_scheduled(eng.requests, scheduled.seqs, time.perf_counter())
@@ -67,6 +69,7 @@ class PipelinedSteps:
             raise
         for seq in eng.scheduler.update(step.scheduled, output):
             eng.spec.forget(seq)
+        eng.spec.count(step.scheduled, output)
         eng.counters["computed_tokens"] += step.scheduled.num_tokens
         eng.counters["steps"] += 1
         return eng._emit(output)

@@ -84,6 +84,10 @@ class SchedulerCore(SchedulerView):
         self.pipeline_depth = 1
         self.in_flight: set[Sequence] = set()
         self._free_later: list[Sequence] = []
+        # Swap-outs of a step that scheduled no sequence (its one visible sequence preempted
+        # itself: the others are in flight): no runner call carries them, so the next step
+        # that runs does, before its forward reuses the blocks.
+        self._swap_out_later: list[tuple[int, int]] = []
 
     @property
     def num_preemptions(self) -> int:
@@ -151,6 +155,7 @@ class SchedulerCore(SchedulerView):
         seqs = [*self.running, *self.swapped, *self.waiting]
         self.running, self.swapped, self.waiting = [], deque(), deque()
         self._give_back_swapped_in()  # the failed step's, if it swapped any in
+        self._swap_out_later = []  # the host blocks they would fill go back below
         self.in_flight.clear()  # NOTE: the engine abandoned every step in flight first
         for seq in self._free_later:
             self.allocator.free(seq)
@@ -227,6 +232,11 @@ class SchedulerCore(SchedulerView):
             out.seqs.append(seq)
             out.num_new_tokens.append(n)
         out.copies = self.allocator.take_copies()
+        if out.seqs:
+            out.swap_out[:0], self._swap_out_later = self._swap_out_later, []
+        else:
+            self._swap_out_later.extend(out.swap_out)
+            out.swap_out = []
         if self.pipeline_depth > 1:
             self.in_flight.update(out.seqs)
         return out

@@ -6,7 +6,9 @@ memory the ones before left). Each core gets three ZMQ sockets, bound here in a 
 directory: ``inbox`` (commands, PUSH), ``outbox`` (outputs, PULL), ``beats`` (heartbeats, PULL).
 
 NOTE: a reader thread owns the outbox and beats sockets: it decodes each step's outputs off the
-event loop, hands them to it with one ``call_soon_threadsafe``, and is the watchdog. The core
+event loop, turns their token ids into text (the output processor: detokenization, stop
+strings, logprob entries; a stop string found ends its sequence in the core with
+StopSequence), hands them to it with one ``call_soon_threadsafe``, and is the watchdog. The core
 is declared dead, and its process group killed (its tensor-parallel workers with it), when
 its process exits, when no heartbeat came for ``step_timeout`` (a stopped or wedged process),
 or when one step has run for ``step_timeout`` (a hung rank or collective).
@@ -39,6 +41,8 @@ from modserve.core.structured_outputs import GrammarSpec
 from modserve.engine import core_protocol as p
 from modserve.engine.core_process import LaunchSpec
 from modserve.engine.grammar_compile import CompilerClosed
+from modserve.engine.output_processor import OutputProcessor
+from modserve.engine.tokenizer import Tokenizer
 from modserve.server.engine_frontend import (AbortRequest, AddRequest, EngineDead, EngineError, EngineFrontend, EngineStopped,
                                              PluginFailed, RequestObserver, Result)
 
@@ -205,8 +209,9 @@ class EngineProcess(EngineFrontend):
         self.launch = launch
         self.pid = launch.proc.pid
         self.step_timeout = config.step_timeout
-        self._deltas = p.OutputDeltas()  # the reader thread's: whole outputs from the core's deltas
-        self._aborted: deque[str] = deque()  # (loop -> reader) requests whose deltas to forget
+        # The requests' user side, added on the loop and read on the reader thread (vLLM's front end's).
+        self._outputs = OutputProcessor(Tokenizer(config.tokenizer or config.model, config.model))
+        self._aborted: deque[str] = deque()  # (loop -> reader) requests for the output processor to forget
         self._compiles: dict[int, Future] = {}  # grammar compiles awaiting their answer
         self._calls: dict[int, Future] = {}  # utility calls awaiting theirs
         self._keys = count()
@@ -252,6 +257,7 @@ class EngineProcess(EngineFrontend):
     # -- loop side --------------------------------------------------------------------------------
     def _send(self, command: AddRequest | AbortRequest) -> None:
         if isinstance(command, AddRequest):
+            self._outputs.add(command.request_id, command.prompt_token_ids, command.params, command.arrival_time)
             message: msgspec.Struct = p.Add(command.request_id, command.prompt_token_ids, p.pack(command.params),
                                             command.arrival_time, command.priority,
                                             p.pack(command.lora_request) if command.lora_request else b"")
@@ -324,15 +330,17 @@ class EngineProcess(EngineFrontend):
 
     def _handle(self, message: p.FromCore) -> None:
         if isinstance(message, p.Outputs):
-            outputs = [o for o in map(self._deltas.decode, message.outputs) if o is not None]
+            outputs, stops = self._outputs.process(message.outputs)
+            for hit in stops:
+                self.launch.send(p.StopSequence(hit.request_id, hit.index, hit.stop, hit.num_output_tokens))
             batch: list[tuple[str, Result]] = [(o.request_id, o) for o in outputs]
             batch += [(e.request_id, PluginFailed(e.message) if e.kind == "plugin" else EngineError(e.message))
                       for e in message.errors]
             for e in message.errors:
-                self._deltas.forget(e.request_id)
-            # After decoding: an output that came after its request's abort is not kept either.
+                self._outputs.forget(e.request_id)
+            # After processing: an output that came after its request's abort is not kept either.
             while self._aborted:
-                self._deltas.forget(self._aborted.popleft())
+                self._outputs.forget(self._aborted.popleft())
             self._call_soon(self._deliver, batch)
         elif isinstance(message, p.GrammarDone):
             future = self._compiles.pop(message.key, None)
