@@ -22,6 +22,7 @@ import subprocess
 import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
@@ -138,16 +139,31 @@ def fake_decode():
     fake.close()
 
 
+def kv_events(ports: tuple[int, int]) -> list[str]:
+    config = {"enable_kv_cache_events": True, "endpoint": f"tcp://*:{ports[0]}",
+              "replay_endpoint": f"tcp://*:{ports[1]}"}
+    return ["--kv-events-config", json.dumps(config)]
+
+
+def events_of(server: Server, ports: tuple[int, int]) -> list[str]:
+    return ["--prefill-kv-events", f"{server.url}=tcp://127.0.0.1:{ports[0]},tcp://127.0.0.1:{ports[1]}"]
+
+
 @pytest.fixture(scope="module")
 def stack(llama_dir, tmp_path_factory, fake_decode):
     """prefill server, decode server, the router in front of them, a router whose decode server
-    is a port nobody listens on, one whose prefill server is, one with short timeouts, and one
-    in front of three decode servers: the fake, the real one and a port nobody listens on."""
+    is a port nobody listens on, one whose prefill server is, one with short timeouts, one in
+    front of two prefill servers (the real one and a port nobody listens on) and three decode
+    servers: the fake, the real one and a port nobody listens on; and one that routes by prefix
+    in front of two prefill servers, the real ones (their KV events on), and a fake decode server."""
     tmp = tmp_path_factory.mktemp("router")
     common = ["--model", llama_dir, "--served-model-name", MODEL, "--num-kv-blocks", "128",
               "--max-model-len", "256", "--num-threads", "1"]
     key = {"MODSERVE_API_KEY": KEY}  # both servers want it: the router must forward it
-    prefill, decode = launch(tmp, "prefill", *common, env=key), launch(tmp, "decode", *common, env=key)
+    ports = [(free_port(), free_port()) for _ in range(2)]
+    prefill = launch(tmp, "prefill", *common, *kv_events(ports[0]), env=key)
+    decode = launch(tmp, "decode", *common, *kv_events(ports[1]), env=key)
+    quiet = FakeDecode()
     routers: list[Server] = []
     dead = DeadPort()
     try:
@@ -158,7 +174,10 @@ def stack(llama_dir, tmp_path_factory, fake_decode):
         routers.append(launch_router(tmp, "no-prefill", dead.url, decode.url))
         routers.append(launch_router(tmp, "strict", prefill.url, decode.url, *STRICT))
         routers.append(launch_router(tmp, "several", prefill.url, fake_decode.url, "--decode", decode.url,
-                                     "--decode", dead.url, "--health-ttl", "60"))
+                                     "--decode", dead.url, "--prefill", dead.url, "--health-ttl", "60"))
+        routers.append(launch_router(tmp, "prefix", prefill.url, quiet.url, "--prefill", decode.url,
+                                     *events_of(prefill, ports[0]), *events_of(decode, ports[1]),
+                                     "--tokenizer", llama_dir, "--health-ttl", "60", "--health-timeout", "1"))
         for r in routers:
             wait_listening(r)
         yield prefill, decode, *routers
@@ -166,6 +185,7 @@ def stack(llama_dir, tmp_path_factory, fake_decode):
         for s in (*routers, prefill, decode):
             stop(s)
         dead.sock.close()
+        quiet.close()
 
 
 @pytest.fixture(scope="module")
@@ -375,14 +395,15 @@ def finished(server: Server) -> float:
     return server.metrics().get(FINISHED, 0)
 
 
-def test_a_down_prefill_server_is_a_502_naming_it_and_never_decoded(decode, stack):
+def test_a_down_prefill_server_is_a_503_naming_it_and_never_decoded(decode, stack):
     broken = stack[4]
     prefill_url = banner_url(broken, "prefill")
     before = finished(decode)
     r, error, took = error_of(broken)
-    assert r.status_code == 502 and error["code"] == "prefill_unreachable" and took < 3, (r.status_code, error, took)
+    assert r.status_code == 503 and error["code"] == "prefill_unavailable" and took < 3, (r.status_code, error, took)
     assert error["message"].startswith(f"the prefill server at {prefill_url} is unreachable"), error
-    assert r.headers["x-modserve-upstream"] == "prefill"
+    assert error["message"].endswith("; the request was not sent to any server"), error
+    assert r.headers["x-modserve-upstream"] == "prefill" and r.headers["retry-after"] == "2"
     assert finished(decode) == before
 
 
@@ -422,8 +443,8 @@ def test_the_router_metrics_hold_both_servers_and_its_own(prefill, decode, route
 
 
 def test_a_frozen_prefill_server_fails_health_and_requests_within_their_timeouts(prefill, decode, stack):
-    """--health-timeout 1, --read-timeout 4: /health and a request answer in time, naming the flag.
-    (Last of the tests counting the prefill server's requests: the one it took while frozen ends after.)"""
+    """--health-timeout 1, --health-ttl 0: /health and a request answer in time, naming the flag;
+    the request is a 503 from the prefill server's /health, asked before it is sent."""
     strict = stack[5]
     before = finished(decode)
     with frozen(prefill):
@@ -435,8 +456,9 @@ def test_a_frozen_prefill_server_fails_health_and_requests_within_their_timeouts
     assert health.json()["error"]["message"] == (
         f"the prefill server at {prefill.url} did not answer /health within --health-timeout 1 s (ReadTimeout)"
     ), health.json()
-    assert r.status_code == 504 and error["code"] == "prefill_unreachable" and 4 <= took < 4 + 2, (r.status_code, took)
-    assert error["message"] == f"the prefill server at {prefill.url} was silent for --read-timeout 4 s (ReadTimeout)"
+    assert r.status_code == 503 and error["code"] == "prefill_unavailable" and took < 1 + 1, (r.status_code, took)
+    assert error["message"] == (f"the prefill server at {prefill.url} did not answer /health within --health-timeout "
+                                "1 s (ReadTimeout); the request was not sent to any server")
     assert finished(decode) == before  # nothing went to the decode server
 
 
@@ -475,6 +497,7 @@ def test_requests_go_to_the_least_loaded_healthy_decode_server(prefill, decode, 
     dead port, or past it to the fake); the dead port is never asked. The real pair's text is the
     decode server's alone."""
     several = stack[6]
+    dead_prefill = several.log.read_text().split("routing: prefill ")[1].split(",")[0].split()[1]
     alone = [client(decode).completions.create(model=MODEL, prompt=p, **GREEDY).choices[0].text
              for p in ("Spread me", "And me")]
     headers = {"Authorization": f"Bearer {KEY}"}
@@ -485,6 +508,7 @@ def test_requests_go_to_the_least_loaded_healthy_decode_server(prefill, decode, 
         assert next(lines).startswith("data: {")
         answers = [routed(several, p) for p in ("Spread me", "And me")]
         assert [a.headers["x-modserve-upstream-url"] for a in answers] == [decode.url] * 2
+        assert [a.headers["x-modserve-prefill-url"] for a in answers] == [prefill.url] * 2  # the dead one skipped
         assert [a.json()["choices"][0]["text"] for a in answers] == alone
         mine = several.metrics()
         assert mine[f"{OUTSTANDING}{{role=decode,upstream={fake_decode.url}}}"] == 1
@@ -498,9 +522,99 @@ def test_requests_go_to_the_least_loaded_healthy_decode_server(prefill, decode, 
     assert health.status_code == 200 and health.json()["status"] == "degraded", health.text
     listed = {(u["role"], u["url"]): u for u in health.json()["upstreams"]}
     assert [(u["healthy"], u["outstanding_requests"]) for u in listed.values()] == [
-        (True, 0), (True, 1), (True, 0), (False, 0)], listed
+        (True, 0), (False, 0), (True, 1), (True, 0), (False, 0)], listed
+    assert listed["prefill", dead_prefill]["problem"].startswith(f"the prefill server at {dead_prefill} is unreachable")
     assert listed["decode", dead_url]["problem"].startswith(f"the decode server at {dead_url} is unreachable")
     assert several.metrics()[f"{OUTSTANDING}{{role=prefill,upstream={prefill.url}}}"] == 0
+
+
+# -- prefix-aware routing of prefill requests -----------------------------------------------------
+
+BLOCK = 16  # the servers' --block-size (the default)
+# About 110 tokens: 6 full blocks or more shared by every prompt that starts with it.
+PREFIX = ("The lighthouse keeper counted the ships that passed each night, writing their names, flags and "
+          "cargo into a ledger bound in green leather, while the fog rolled over the rocks below and the gulls "
+          "slept on the railings of the tower until the morning bell rang from the harbour.")
+EVENT_BLOCKS = "modserve_disagg_kv_event_blocks_total"
+EVICTIONS = "modserve_prefix_cache_evictions_total"
+
+
+def event_blocks(router: Server, server: Server, event: str) -> float:
+    return router.metrics().get(f"{EVENT_BLOCKS}{{event={event},role=prefill,upstream={server.url}}}", 0)
+
+
+def shared_blocks(server: Server, first: str, *others: str) -> int:
+    """Full blocks ``first`` has in common with each of ``others``, by the server's tokenizer."""
+    def tokens(prompt: str) -> list[int]:
+        return httpx.post(f"{server.url}/tokenize", json={"model": MODEL, "prompt": prompt},
+                          headers={"Authorization": f"Bearer {KEY}"}).json()["tokens"]
+
+    mine = tokens(first)
+    return min(next((i for i, (a, b) in enumerate(zip(mine, tokens(o))) if a != b), len(mine))
+               for o in others) // BLOCK
+
+
+def test_a_prompt_goes_to_the_prefill_server_holding_its_prefix(prefill, decode, stack):
+    """Two real prefill servers with their KV events on (the stack's two), a fake decode server. A
+    prompt's prefix, once one server cached it, sends the next prompts that share it there, though
+    that server is frozen with one of them outstanding and the other idle; that server's prefix
+    cache hits say they were hits. Once the server evicted those blocks (its BlockRemoved events),
+    the prefix sends nothing there any more."""
+    router = stack[7]
+    servers = {s.url: s for s in (prefill, decode)}
+    nights = [f"{PREFIX} {n} night." for n in ("First", "Second", "Third", "Fourth")]
+    shared = shared_blocks(prefill, *nights)
+    assert shared >= 6, shared
+    before = {url: event_blocks(router, s, "stored") for url, s in servers.items()}
+    first = routed(router, nights[0])
+    holder = servers[first.headers["x-modserve-prefill-url"]]
+    other = next(s for s in servers.values() if s is not holder)
+    assert first.headers["x-modserve-prefix-blocks"] == "0"
+    wait_for(lambda: event_blocks(router, holder, "stored") - before[holder.url] >= shared)
+
+    hits = holder.metrics()["modserve_prefix_cache_hit_tokens_total"]
+    mine = router.metrics()
+    with ThreadPoolExecutor(2) as pool:
+        with frozen(holder):
+            held = [pool.submit(routed, router, nights[1])]
+            wait_for(lambda: router.metrics()[f"{OUTSTANDING}{{role=prefill,upstream={holder.url}}}"] == 1)
+            held.append(pool.submit(routed, router, nights[2]))  # 1 outstanding there, 0 on the other
+            wait_for(lambda: router.metrics()[f"{OUTSTANDING}{{role=prefill,upstream={holder.url}}}"] == 2)
+            elsewhere = routed(router, "Something else entirely.")  # no prefix: by load
+        answers = [h.result() for h in held]
+    assert elsewhere.headers["x-modserve-prefill-url"] == other.url
+    assert [(a.headers["x-modserve-prefill-url"], a.headers["x-modserve-prefix-blocks"]) for a in answers] == [
+        (holder.url, str(shared))] * 2
+    wait_for(lambda: holder.metrics()["modserve_prefix_cache_hit_tokens_total"] - hits >= 2 * shared * BLOCK)
+    routed_by = router.metrics()
+    key = f"modserve_disagg_routed_requests_total{{by=prefix,role=prefill,upstream={holder.url}}}"
+    assert routed_by[key] - mine.get(key, 0) == 2
+
+    # A chat prompt is hashed through the chat template, as the server tokenizes it.
+    def chat(question: str) -> httpx.Response:
+        messages = [{"role": "system", "content": PREFIX}, {"role": "user", "content": question}]
+        body = {"model": MODEL, "messages": messages, "max_tokens": 4}
+        r = httpx.post(f"{router.url}/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {KEY}"},
+                       timeout=60)
+        assert r.status_code == 200, r.text
+        return r
+
+    stored = {url: event_blocks(router, s, "stored") for url, s in servers.items()}
+    asked = chat("Which ship came first?")
+    chat_holder = servers[asked.headers["x-modserve-prefill-url"]]
+    wait_for(lambda: event_blocks(router, chat_holder, "stored") - stored[chat_holder.url] >= shared)
+    again = chat("And which came last?")
+    assert again.headers["x-modserve-prefill-url"] == chat_holder.url
+    assert int(again.headers["x-modserve-prefix-blocks"]) >= shared
+
+    # Evicted: prompts of their own, sent to the holder directly, fill its 128 blocks over and over.
+    removed, evictions = event_blocks(router, holder, "removed"), holder.metrics()[EVICTIONS]
+    for i in range(14):  # 11 blocks each
+        words = " ".join(f"{w}{i}" for w in ("ledger", "harbour", "gull", "tower", "fog", "bell") * 8)
+        holder.client(KEY).completions.create(model=MODEL, prompt=words, max_tokens=1)
+    wait_for(lambda: event_blocks(router, holder, "removed") - removed == holder.metrics()[EVICTIONS] - evictions > 0)
+    gone = routed(router, nights[3])
+    assert gone.headers["x-modserve-prefix-blocks"] == "0", gone.headers
 
 
 def test_a_client_leaving_mid_stream_closes_the_decode_stream(decode, router):

@@ -6,10 +6,12 @@ the prompt's KV, which its KV connector hands on), then, once that has answered,
 server, whose answer the client gets, streamed event by event when it asked for a stream. A
 prefill answer that carries vLLM's ``kv_transfer_params`` (where the KV is) has them put on the
 decode request; without them the decode server finds the KV by content. The decode server's
-health is checked (cached briefly) before a prefill is spent on it. With several servers of a
-role, each request goes to the one with the fewest requests outstanding through this router
-(``router_balance``), decode servers that fail /health left out. docs/disaggregation.md has the
-commands that start the processes.
+health, and the prefill servers', are checked (cached briefly) before a prefill is spent. With
+several servers of a role, each request goes to the one with the fewest requests outstanding
+through this router (``router_balance``), servers that fail /health left out; with the prefill
+servers' KV events followed (``router_prefix``), a prefill request goes to the server that holds
+the longest cached prefix of its prompt unless that one is much busier. docs/disaggregation.md
+has the commands that start the processes.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import logging
 import time
 import uuid
 from contextlib import asynccontextmanager
-from typing import Any, AsyncIterator, Sequence
+from typing import TYPE_CHECKING, Any, AsyncIterator, Sequence
 
 import anyio
 import httpx
@@ -35,7 +37,11 @@ from modserve.server.router_balance import Balancer
 from modserve.server.router_metrics import RouterMetrics
 from modserve.server.router_timeouts import Timeouts
 from modserve.server.router_upstreams import (CachedHealth, Upstream, decode_down, failure_kind,
-                                              health_problem, unreachable)
+                                              health_problem, prefill_down, unreachable)
+
+if TYPE_CHECKING:  # imported when prefix routing is asked for: the tokenizer's imports take seconds
+    from modserve.server.router_prefix import PrefixIndex, PrefixRouting
+    from modserve.server.router_prompt import PromptTokenizer
 
 logger = logging.getLogger("modserve.router")
 
@@ -48,6 +54,7 @@ PREFILL_MS_HEADER = "x-modserve-prefill-ms"
 DECODE_HEADERS_MS_HEADER = "x-modserve-decode-headers-ms"
 UPSTREAM_URL_HEADER = "x-modserve-upstream-url"  # which server of its role answered
 PREFILL_URL_HEADER = "x-modserve-prefill-url"  # which prefill server the decode answer followed
+PREFIX_BLOCKS_HEADER = "x-modserve-prefix-blocks"  # leading prompt blocks the chosen prefill server held
 KV_PARAMS = "kv_transfer_params"
 # The prefill server's 400 to do_remote_decode when its connector keeps no KV for a decode server.
 NO_PARAMS_PARAM = f"{KV_PARAMS}.do_remote_decode"
@@ -149,11 +156,30 @@ def upstreams_of(role: str, urls: str | Sequence[str]) -> list[Upstream]:
     return [Upstream(role, u) for u in listed]
 
 
+def prefix_index(prefix: PrefixRouting, prefills: list[Upstream],
+                 metrics: RouterMetrics) -> tuple[PrefixIndex, PromptTokenizer]:
+    from modserve.server.router_prefix import EventSource, PrefixIndex
+    from modserve.server.router_prompt import PromptTokenizer
+
+    by_url = {u.url: u for u in prefills}
+    sources = []
+    for url, endpoint, replay in prefix.sources:
+        if url.rstrip("/") not in by_url:
+            raise ValueError(f"KV events of {url}, which is not a --prefill server ({' '.join(by_url)})")
+        sources.append(EventSource(by_url[url.rstrip("/")], endpoint, replay))
+
+    for u in {s.upstream for s in sources}:
+        metrics.kv_batch(u, 0, 0, 0)  # each family shows from the start
+    return PrefixIndex(sources, metrics), PromptTokenizer(prefix.tokenizer, prefix.chat_template)
+
+
 def create_router_app(prefill_urls: str | Sequence[str], decode_urls: str | Sequence[str],
-                      timeouts: Timeouts = Timeouts()) -> FastAPI:
-    """The router in front of the prefill servers ``prefill_urls`` and the decode servers ``decode_urls``."""
+                      timeouts: Timeouts = Timeouts(), prefix: PrefixRouting | None = None) -> FastAPI:
+    """The router in front of the prefill servers ``prefill_urls`` and the decode servers
+    ``decode_urls``; ``prefix``: route prefill requests by the servers' KV events."""
     prefills, decodes = upstreams_of("prefill", prefill_urls), upstreams_of("decode", decode_urls)
     metrics = RouterMetrics()
+    index, tokenizer = prefix_index(prefix, prefills, metrics) if prefix is not None else (None, None)
 
     def gauge(upstream: Upstream, n: int) -> None:
         metrics.outstanding.labels(upstream.role, upstream.url).set(n)
@@ -161,8 +187,8 @@ def create_router_app(prefill_urls: str | Sequence[str], decode_urls: str | Sequ
     prefill_pool, decode_pool = Balancer(prefills, gauge), Balancer(decodes, gauge)
     client: httpx.AsyncClient | None = None  # the requests'
     prober: httpx.AsyncClient | None = None  # /health and /metrics': a frozen upstream must not hold them long
-    decode_health = {d: CachedHealth(lambda d=d: health_problem(prober, d, timeouts), timeouts.health_ttl)
-                     for d in decodes}
+    checks = {u: CachedHealth(lambda u=u: health_problem(prober, u, timeouts), timeouts.health_ttl)
+              for u in (*prefills, *decodes)}  # each upstream's cached /health
     refusing: set[Upstream] = set()  # prefill servers that refused do_remote_decode
 
     @asynccontextmanager
@@ -175,9 +201,14 @@ def create_router_app(prefill_urls: str | Sequence[str], decode_urls: str | Sequ
         prober = httpx.AsyncClient(timeout=timeouts.health, limits=httpx.Limits(max_connections=None))
         logger.info("routing: prefill %s, decode %s", " ".join(u.url for u in prefills),
                     " ".join(u.url for u in decodes))
+        if index is not None:
+            index.start()
         try:
             yield
         finally:
+            if index is not None:
+                await index.stop()
+                tokenizer.close()
             await client.aclose()
             await prober.aclose()
 
@@ -185,8 +216,7 @@ def create_router_app(prefill_urls: str | Sequence[str], decode_urls: str | Sequ
 
     def failed(upstream: Upstream, exc: httpx.TransportError) -> APIError:
         metrics.errors.labels(upstream.role, failure_kind(exc)).inc()
-        if upstream in decode_health:
-            decode_health[upstream].forget()  # the next request asks it afresh
+        checks[upstream].forget()  # the next request asks it afresh
         return unreachable(upstream, exc, timeouts)
 
     async def send(upstream: Upstream, method: str, path: str, headers: dict[str, str],
@@ -220,19 +250,22 @@ def create_router_app(prefill_urls: str | Sequence[str], decode_urls: str | Sequ
         # The same id on both servers: a KV connector may pair the two requests by it.
         rid = request.headers.get(REQUEST_ID_HEADER) or uuid.uuid4().hex
         headers[REQUEST_ID_HEADER] = rid
-        problems = await asyncio.gather(*(decode_health[d].get() for d in decodes))
-        if all(problems):
-            metrics.errors.labels("decode", "unhealthy").inc()
-            problem = "; ".join(problems)
-            logger.info("%s %s: not routed: %s", path, rid, problem)
-            raise decode_down(decodes[0], problem, timeouts.health_ttl)
+        checked = await asyncio.gather(*(checks[u].get() for u in (*prefills, *decodes)))
+        prefill_problems, problems = checked[:len(prefills)], checked[len(prefills):]
+        for role, found, down in (("decode", problems, decode_down), ("prefill", prefill_problems, prefill_down)):
+            if all(found):
+                metrics.errors.labels(role, "unhealthy").inc()
+                problem = "; ".join(found)
+                logger.info("%s %s: not routed: %s", path, rid, problem)
+                raise down(decodes[0] if role == "decode" else prefills[0], problem, timeouts.health_ttl)
         try:
             body = json.loads(raw)
         except ValueError:
             body = None
         asked = time.perf_counter()
-        prefill = prefill_pool.acquire()
-        assert prefill is not None
+        usable = [p is None for p in prefill_problems]
+        prefill, by, matched = await choose_prefill(path, body, usable)
+        metrics.routed.labels("prefill", prefill.url, by).inc()
         try:
             primed = await prime(prefill, path, headers, raw, body)
         finally:
@@ -240,6 +273,8 @@ def create_router_app(prefill_urls: str | Sequence[str], decode_urls: str | Sequ
         prefill_ms = (time.perf_counter() - asked) * 1e3
         metrics.prefill.observe(prefill_ms / 1e3)
         timing = {REQUEST_ID_HEADER: rid, PREFILL_MS_HEADER: f"{prefill_ms:.1f}", PREFILL_URL_HEADER: prefill.url}
+        if matched is not None:
+            timing[PREFIX_BLOCKS_HEADER] = str(matched)
         if not primed.is_success:
             logger.info("%s %s: prefill answered %d in %.1f ms; not sent to decode", path, rid,
                         primed.status_code, prefill_ms)
@@ -251,11 +286,27 @@ def create_router_app(prefill_urls: str | Sequence[str], decode_urls: str | Sequ
         # content-keyed connector finds the KV wherever the pair shares its store.
         decode = decode_pool.acquire([p is None for p in problems])
         assert decode is not None
+        metrics.routed.labels("decode", decode.url, "load").inc()
         try:
             return await finish(decode, path, rid, headers, raw, body, timing, start)
         except BaseException:
             decode_pool.release(decode)
             raise
+
+    async def choose_prefill(path: str, body: Any, usable: list[bool]) -> tuple[Upstream, str, int | None]:
+        """(the prefill server, why: ``prefix`` or ``load``, the leading prompt blocks it holds or
+        None without prefix routing), counted as one request busier. NOTE: the count and the pick
+        happen with no await between (the prompt is tokenized before)."""
+        if index is None:
+            chosen = prefill_pool.acquire(usable)
+            assert chosen is not None
+            return chosen, "load", None
+        prompts = await tokenizer.prompts(path, body)
+        model = body.get("model") if isinstance(body, dict) else None
+        matched = [index.matched(p, prompts, model) if ok else 0 for p, ok in zip(prefills, usable)]
+        chosen, by = prefill_pool.acquire_prefix(usable, matched, prefix.balance_slack)
+        assert chosen is not None
+        return chosen, by, matched[prefills.index(chosen)]
 
     async def finish(decode: Upstream, path: str, rid: str, headers: dict[str, str], raw: bytes, body: Any,
                      timing: dict[str, str], start: float) -> Response:
@@ -307,7 +358,7 @@ def create_router_app(prefill_urls: str | Sequence[str], decode_urls: str | Sequ
     async def models_of(request: Request, path: str) -> Response:
         headers = {k: v for k, v in request.headers.items() if k in FORWARDED_HEADERS}
         # the first decode server last seen healthy (the first if none was); not counted as load
-        decode = next((d for d in decodes if decode_health[d].problem is None), decodes[0])
+        decode = next((d for d in decodes if checks[d].problem is None), decodes[0])
         return passthrough(await send(decode, "GET", path, headers), decode)
 
     @app.get("/health")
@@ -317,8 +368,7 @@ def create_router_app(prefill_urls: str | Sequence[str], decode_urls: str | Sequ
         upstreams = [*prefills, *decodes]
         problems = await asyncio.gather(*(health_problem(prober, u, timeouts) for u in upstreams))
         for u, p in zip(upstreams, problems):
-            if u in decode_health:
-                decode_health[u].store(p)
+            checks[u].store(p)
         if all(problems[:len(prefills)]) or all(problems[len(prefills):]):
             raise APIError(503, "; ".join(p for p in problems if p), type="server_error", code="upstream_unhealthy")
         pools = {"prefill": prefill_pool, "decode": decode_pool}

@@ -2,7 +2,12 @@
 one with the fewest requests outstanding through this router, ties taken in turn.
 
 The router counts only its own requests: a server's queue from other clients, or how long its
-requests are, is not seen. Prefix-aware routing (by the engines' KV events) is not done."""
+requests are, is not seen.
+
+With a prefix score per server (``acquire_prefix``: the prompt's leading blocks each holds, from
+its KV events), the request goes to the best-scoring server among those fewer than ``slack``
+requests busier than the least loaded; ties by load, then in turn. No server holds any of it:
+by load alone, as without scores."""
 
 from __future__ import annotations
 
@@ -38,6 +43,24 @@ class Balancer:
         self.turn = (i + 1) % n
         self._add(i, 1)
         return self.upstreams[i]
+
+    def acquire_prefix(self, usable: Sequence[bool], matched: Sequence[int], slack: int) -> tuple[Upstream | None, str]:
+        """(the upstream, ``prefix`` or ``load``): the usable upstream holding the most of the
+        prompt (``matched``: leading blocks, per upstream) among those under ``slack`` requests
+        busier than the least loaded usable one, counted as one request busier."""
+        n = len(self.upstreams)
+        candidates = [i for i in range(n) if usable[i]]
+        if not candidates:
+            return None, "load"
+        least = min(self.outstanding[i] for i in candidates)
+        near = [i for i in candidates if self.outstanding[i] - least < slack]
+        best = max(matched[i] for i in near)
+        if best == 0:
+            return self.acquire(usable), "load"
+        i = min((i for i in near if matched[i] == best), key=lambda i: (self.outstanding[i], (i - self.turn) % n))
+        self.turn = (i + 1) % n
+        self._add(i, 1)
+        return self.upstreams[i], "prefix"
 
     def release(self, upstream: Upstream) -> None:
         self._add(self.upstreams.index(upstream), -1)

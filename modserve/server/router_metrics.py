@@ -32,6 +32,27 @@ class RouterMetrics:
         self.outstanding = Gauge("modserve_disagg_upstream_outstanding_requests", "Requests this router has sent "
                                  "to the upstream and not yet seen answered (a stream: until its end)",
                                  ["role", "upstream"], registry=self.registry)
+        self.routed = Counter("modserve_disagg_routed_requests", "Requests sent to each upstream, by why it was "
+                              "chosen: prefix (it held the longest cached prefix, from its KV events) or load",
+                              ["role", "upstream", "by"], registry=self.registry)
+        self.index_blocks = Gauge("modserve_disagg_kv_index_blocks", "Cached blocks the router's prefix index "
+                                  "holds for the upstream, from its KV events", ["role", "upstream"],
+                                  registry=self.registry)
+        self.event_gaps = Counter("modserve_disagg_kv_event_gaps", "Gaps in an upstream's KV event sequence "
+                                  "numbers, by outcome: replayed, or reset (its index emptied, then rebuilt from "
+                                  "the events that follow)", ["role", "upstream", "outcome"], registry=self.registry)
+        self.event_blocks = Counter("modserve_disagg_kv_event_blocks", "Blocks an upstream's KV events reported "
+                                    "stored or removed (evicted)", ["role", "upstream", "event"],
+                                    registry=self.registry)
+
+    # The prefix index's reports (router_prefix.IndexObserver).
+    def kv_batch(self, upstream: Upstream, indexed: int, stored: int, removed: int) -> None:
+        self.index_blocks.labels(upstream.role, upstream.url).set(indexed)
+        self.event_blocks.labels(upstream.role, upstream.url, "stored").inc(stored)
+        self.event_blocks.labels(upstream.role, upstream.url, "removed").inc(removed)
+
+    def kv_gap(self, upstream: Upstream, outcome: str) -> None:
+        self.event_gaps.labels(upstream.role, upstream.url, outcome).inc()
 
     def render(self, scraped: Iterable[tuple[Upstream, str | None]]) -> bytes:
         """``scraped``: each upstream with its /metrics text, None where it did not answer."""

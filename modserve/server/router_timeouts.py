@@ -15,7 +15,7 @@ class Timeouts:
     connect: float = 5.0  # a server that does not accept in this long is down or its backlog full
     read: float | None = 300.0  # the longest an upstream may stay silent: a whole non-streamed answer
     health: float = 5.0  # each upstream's /health, and each /metrics scrape
-    health_ttl: float = 2.0  # how long the decode server's /health answer is trusted
+    health_ttl: float = 2.0  # how long each server's /health answer is trusted
 
     def client(self) -> Any:
         """The requests' ``httpx.Timeout``: no pool wait, the router's pool has no limit."""

@@ -1,5 +1,5 @@
-"""The disaggregation router's two upstream servers: how long each may take, what a failure
-to reach one becomes, and whether the decode server is up before a prefill is spent on it."""
+"""The disaggregation router's upstream servers: how long each may take, what a failure to reach
+one becomes, and whether a prefill and a decode server are up before a prefill is spent."""
 
 from __future__ import annotations
 
@@ -100,3 +100,9 @@ def decode_down(decode: Upstream, problem: str, ttl: float) -> APIError:
     return APIError(503, f"{problem}; the request was not sent to the prefill server", type="server_error",
                     code="decode_unavailable",
                     headers={"x-modserve-upstream": decode.role, "retry-after": str(max(1, math.ceil(ttl)))})
+
+
+def prefill_down(prefill: Upstream, problem: str, ttl: float) -> APIError:
+    return APIError(503, f"{problem}; the request was not sent to any server", type="server_error",
+                    code="prefill_unavailable",
+                    headers={"x-modserve-upstream": prefill.role, "retry-after": str(max(1, math.ceil(ttl)))})
