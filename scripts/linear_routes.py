@@ -8,9 +8,10 @@ over the model's bf16 weights, through: the AVX512-BF16 dot kernel (``bf16_dot_l
 built), oneDNN's bf16 GEMM (``at::mm`` on bf16: AMX tiles where present), the few-rows kernel
 over a bf16 copy (``few_rows_linear``, float32 input, up to 16 rows), and the float32 GEMM on
 float32 weights in panels (``panel_linear``: what the ``few_rows`` route runs beyond 16 rows,
-its weights packed at load). Weights are fresh random tensors of the checkpoint's shapes, so a
-model larger than the last-level cache streams from memory as in decode; ``--huge-pages`` puts
-them in 2 MiB pages, as the cpu platform does with a model's. Prints the median (``--stat``)
+its weights packed at load; at each ``--few-rows-floats`` width, which sets its tile's too).
+Weights are fresh random tensors of the checkpoint's shapes, so a model larger than the
+last-level cache streams from memory as in decode; ``--huge-pages`` puts them in 2 MiB pages,
+as the cpu platform does with a model's. Prints the median (``--stat``)
 time of ``--repeats`` interleaved passes and the bf16 weight bytes per second, naming the CPU;
 ``--clock cpu`` times CPU time instead, which leaves out the time slices other processes take
 on a shared machine: the calling thread's with one thread; with N, the process's divided by
@@ -76,10 +77,13 @@ def main() -> None:
     routes = {"oneDNN bf16 GEMM": lambda x, w, f, p: torch.mm(x.bfloat16(), w.t()).float()}
     if ops.bf16_dot_built():
         routes["AVX512-BF16 dot"] = lambda x, w, f, p: ops.bf16_dot_linear(x, w)
-    for floats in a.few_rows_floats or [ops.few_rows_floats()]:
+    widths = a.few_rows_floats or [ops.few_rows_floats()]
+    for floats in widths:
         name = f"few-rows kernel ({floats}-float)" if a.few_rows_floats else "few-rows kernel"
         routes[name] = functools.partial(few_rows, floats)
-    routes["float32 GEMM"] = lambda x, w, f, p: ops.panel_linear(x, p, w.shape[0], None)
+    for floats in widths:
+        name = f"float32 GEMM ({floats}-float)" if a.few_rows_floats else "float32 GEMM"
+        routes[name] = functools.partial(panel_gemm, floats)
     print(f"cpu: {cpu_features().describe()}; torch {torch.__version__}, {torch.get_num_threads()} threads; "
           f"few-rows kernel in {ops.few_rows_floats()}-float vectors")
     print(f"{a.model}: {nbytes / 2**20:.0f} MiB of bf16 linear weights{' in 2 MiB pages' if a.huge_pages else ''}; "
@@ -112,6 +116,11 @@ def main() -> None:
 def few_rows(floats: int, x: torch.Tensor, w: torch.Tensor, f: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
     torch.ops.modserve_cpu.set_few_rows_floats(floats)
     return torch.ops.modserve_cpu.few_rows_linear(x, f, w, None, None)
+
+
+def panel_gemm(floats: int, x: torch.Tensor, w: torch.Tensor, f: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    torch.ops.modserve_cpu.set_few_rows_floats(floats)  # the panel GEMM's tile width, as the kernel's
+    return torch.ops.modserve_cpu.panel_linear(x, p, w.shape[0], None)
 
 
 def placed(t: torch.Tensor, huge_pages: bool) -> torch.Tensor:

@@ -78,10 +78,13 @@ def test_few_rows_linear_takes_float32_weights_beyond_few_rows():
                                    rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("rows", [1, 5, 6, 7, 64, 300])  # tiles of 6 rows and their tails; 300: two chunks
-@pytest.mark.parametrize("n, k", [(96, 64), (40, 37)])  # 40: a part-filled last panel; any K
+# rows: tiles of 6 (8-float) rows and their tails; from 24 rows 16-float tiles of up to 12
+# (25: 9 + 8 + 8); 300: two chunks. n: pairs of panels (96: 6), a part-filled last panel
+# alone (40: 3), a full one alone (112: 7).
+@pytest.mark.parametrize("rows", [1, 5, 6, 7, 24, 25, 64, 300])
+@pytest.mark.parametrize("n, k", [(96, 64), (40, 37), (112, 16)])
 @pytest.mark.parametrize("bias", [False, True])
-def test_panel_linear_matches_float64(rows, n, k, bias):
+def test_panel_linear_matches_float64(rows, n, k, bias, few_rows_floats):
     g = torch.Generator().manual_seed(rows * n)
     w, x = torch.randn(n, k, generator=g), torch.randn(rows, k, generator=g)
     b = torch.randn(n, generator=g) if bias else None
@@ -90,6 +93,9 @@ def test_panel_linear_matches_float64(rows, n, k, bias):
     torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-5)
     # one FMA chain per output, in k order: a row's result does not depend on its batch
     assert torch.equal(torch.ops.modserve_cpu.panel_linear(x[-1:], to_panels(w), n, b), out[-1:])
+    if few_rows_floats == 16:  # the same chains as the 8-float tiles: the same bits
+        torch.ops.modserve_cpu.set_few_rows_floats(8)
+        assert torch.equal(torch.ops.modserve_cpu.panel_linear(x, to_panels(w), n, b), out)
 
 
 @pytest.mark.parametrize("x, panels, n, message", [

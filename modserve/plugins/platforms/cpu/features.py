@@ -46,10 +46,10 @@ class CpuFeatures:
         return "bf16_gemm" if self.has("amx_bf16") else "few_rows"
 
     def few_rows_floats(self) -> int:
-        """The vector width the few-rows kernel computes in: 16 floats on CPUs with AVX-512F but
-        no AVX512-BF16 (Intel Xeons up to Ice Lake; on an Ice Lake one it reads weights faster
-        than the 8-float loops: benchmarks.md, CPU routes); 8 elsewhere, the loops measured on
-        Zen 4 and AVX2 machines."""
+        """The vector width the few-rows kernel and the float32 panel GEMM compute in: 16
+        floats on CPUs with AVX-512F but no AVX512-BF16 (Intel Xeons up to Ice Lake; on an Ice
+        Lake one they read weights and multiply faster than the 8-float loops: benchmarks.md,
+        CPU routes); 8 elsewhere, the loops measured on Zen 4 and AVX2 machines."""
         return 16 if self.has("avx512f") and not self.has("avx512_bf16") else 8
 
 
