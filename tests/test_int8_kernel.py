@@ -1,8 +1,8 @@
 """The int8 quantizer's C++ op (csrc/int8_linear.cpp) on every path this build compiled.
 
 Each path (AVX-512, AVX2, the generic vector-extension code) is checked against the product
-in float64 at every row count a pass takes (1-8), two passes (9-16) and the GEMM beyond,
-with shapes that run every tail: K with whole 64-byte lines, then whole vectors, then single
+in float64 at every row count a pass takes (1-8), two passes (9-16) and beyond (passes over
+blocks of q that stay in cache: 17, 24, 33), with shapes that run every tail: K with whole 64-byte lines, then whole vectors, then single
 weights; N no multiple of the rows read side by side nor of a thread's claim. A path the
 CPU lacks is skipped with the reason.
 """
@@ -15,10 +15,12 @@ import torch
 from modserve.quantizers.int8 import load_cpu_kernel
 
 PATHS = {"avx512": "AVX-512F", "avx2": "AVX2", "generic": None}
-ROWS = [1, 2, 3, 4, 5, 6, 7, 8, 9, 12, 16, 17]
+ROWS = [1, 2, 3, 4, 5, 6, 7, 8, 9, 12, 16, 17, 24, 33]
 # K = 221: 3 lines + 29 (AVX-512: 1 vector + 13; AVX2: 3 vectors + 5); K = 1100 > the 1 KiB
-# prefetch distance, so prefetches land both within a row and in the next rows.
+# prefetch distance, so prefetches land both within a row and in the next rows; beyond 16
+# rows, K = 4096 makes blocks of 64 weight rows, so N = 150 is two whole blocks and a part.
 SHAPES = [(221, 300), (1100, 70)]
+SHAPES_MANY_ROWS = [(4096, 150)]
 
 
 @pytest.fixture(scope="module")
@@ -50,7 +52,7 @@ def check(got: torch.Tensor, x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, 
 def test_path_is_the_scaled_int8_product(paths, path, rows):
     if path not in paths:
         pytest.skip(f"this CPU lacks {PATHS[path]}, so the build (-march=native) has no {path} path")
-    for k, n in SHAPES:
+    for k, n in SHAPES + (SHAPES_MANY_ROWS if rows > 16 else []):
         x, q, s, b = case(rows, k, n, seed=rows * 1000 + k)
         for bias in (b, None):
             check(torch.ops.modserve_int8.linear_path(x, q, s, bias, path), x, q, s, bias)

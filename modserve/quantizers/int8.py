@@ -33,8 +33,8 @@ class Int8Options(BaseModel):
     model_config = ConfigDict(extra="forbid")
     # cpu: a C++ op (csrc/int8_linear.cpp) for float32 on a CPU: up to 16 rows read the int8
     # weights once per 8 rows (half the bytes of bf16 for decode), a few weight rows side by
-    # side with AVX-512, AVX2 or plain vector code, whichever the build has; more widen them
-    # for a GEMM.
+    # side with AVX-512, AVX2 or plain vector code, whichever the build has; more rows take
+    # the same passes over blocks of weight rows that stay in cache.
     # int8pack: torch's _weight_int8pack_mm; dequant: int8 -> float, then a float GEMM.
     # auto: cpu where it applies and builds, else dequant. NOTE: torch 2.13's CPU
     # _weight_int8pack_mm costs time linear in the rows even on AVX-512 (a [T, 768] x [768, 2048]

@@ -8,8 +8,10 @@
 // path's scaled output does. A few weight rows are read side by side, the next few
 // prefetched. Threads claim output rows in pieces (row_passes.h).
 //
-// More rows than kMaxRows: q widened to float32 and a float32 GEMM, the output scaled. In
-// C++ so that one op serves every row count: a compiled region traces no branch on the rows.
+// More rows than kMaxRows (prefill, large batches): the same passes of 8 rows, each over a
+// block of weight rows small enough to stay in L2 while every pass reads it, so q is read
+// from memory once and never widened to a float32 copy. In C++ so that one op serves every
+// row count: a compiled region traces no branch on the rows.
 //
 // Registered as torch.ops.modserve_int8.linear (built by modserve/quantizers/int8.py).
 
@@ -86,7 +88,7 @@ inline vf load(const float* p) {
 }
 
 constexpr int64_t kPassRows = 8;  // rows one pass over q takes: their accumulators stay in registers
-constexpr int64_t kMaxRows = 16;  // beyond two passes, widening q for a float32 GEMM is faster
+constexpr int64_t kMaxRows = 16;  // beyond two passes, q in blocks that stay in cache (many_rows)
 constexpr int64_t kLine = 64;     // bytes of a cache line: the unit of the inner loop and its prefetch
 // How far ahead in each weight row a line is prefetched, into L1: 1 KiB read faster than
 // 512 B, 2 KiB, 4 KiB, or the same line of the next G rows (G whole rows ahead, up to 64 KiB
@@ -178,6 +180,32 @@ void few_rows(const float* x, const int8_t* q, const float* s, const float* b, f
   });
 }
 
+// Bytes of q a thread claims at a time beyond kMaxRows rows: with a pass's 8 rows of x
+// (8 x K floats), well inside a core's L2, so every pass after the first reads the block
+// from there.
+constexpr int64_t kBlockBytes = 256 * 1024;
+
+template <class V>
+void many_rows(const float* x, const int8_t* q, const float* s, const float* b, float* y, int64_t M, int64_t K,
+               int64_t N) {
+  const int64_t block = std::max<int64_t>(8, kBlockBytes / std::max<int64_t>(K, 1) / 8 * 8);
+  modserve::parallel_claims(N, block, [&](int64_t begin, int64_t end) {
+    for (int64_t r = 0; r < M; r += kPassRows) {
+      modserve::with_rows(std::min(kPassRows, M - r), [&](auto m) {
+        constexpr int64_t R = decltype(m)::value;
+        rows_times_int8<V, R>(x + r * K, q, s, b, y + r * N, K, N, begin, end);
+      });
+    }
+  });
+}
+
+template <class V>
+void any_rows(const float* x, const int8_t* q, const float* s, const float* b, float* y, int64_t M, int64_t K,
+              int64_t N) {
+  if (M > kMaxRows) many_rows<V>(x, q, s, b, y, M, K, N);
+  else few_rows<V>(x, q, s, b, y, M, K, N);
+}
+
 at::Tensor linear_with(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
                        const c10::optional<at::Tensor>& bias, const std::string& path) {
   TORCH_CHECK(x.device().is_cpu() && qweight.device().is_cpu(), "modserve_int8.linear: CPU tensors only");
@@ -191,10 +219,6 @@ at::Tensor linear_with(const at::Tensor& x, const at::Tensor& qweight, const at:
   TORCH_CHECK(std::find(names.begin(), names.end(), path) != names.end(), "modserve_int8.linear: no path '", path,
               "' in this build (", c10::Join(", ", names), ")");
   const int64_t M = x.size(0), K = x.size(1), N = qweight.size(0);
-  if (M > kMaxRows) {  // a GEMM's worth of rows: widen q once and multiply in float32, as the dequant path does
-    at::Tensor y = at::linear(x, qweight.to(at::kFloat)).mul_(scales);
-    return bias.has_value() ? y.add_(*bias) : y;
-  }
   const at::Tensor xc = x.contiguous(), qc = qweight.contiguous(), sc = scales.contiguous();
   const at::Tensor b = bias.has_value() ? bias->to(at::kFloat).contiguous() : at::Tensor();
   at::Tensor y = at::empty({M, N}, x.options());
@@ -204,12 +228,12 @@ at::Tensor linear_with(const at::Tensor& x, const at::Tensor& qweight, const at:
   const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
   float* yp = y.data_ptr<float>();
 #if defined(__AVX512F__)
-  if (path == "avx512") few_rows<Avx512>(xp, qp, sp, bp, yp, M, K, N);
+  if (path == "avx512") any_rows<Avx512>(xp, qp, sp, bp, yp, M, K, N);
 #endif
 #if defined(__AVX2__)
-  if (path == "avx2") few_rows<Avx2>(xp, qp, sp, bp, yp, M, K, N);
+  if (path == "avx2") any_rows<Avx2>(xp, qp, sp, bp, yp, M, K, N);
 #endif
-  if (path == "generic") few_rows<Generic>(xp, qp, sp, bp, yp, M, K, N);
+  if (path == "generic") any_rows<Generic>(xp, qp, sp, bp, yp, M, K, N);
   return y;
 }
 
