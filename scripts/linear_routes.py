@@ -1,7 +1,7 @@
 """Time one decoder's linears over a checkpoint's shapes through each CPU route, by row count.
 
     .venv/bin/python scripts/linear_routes.py --model CKPT [--rows 1 2 3 4 8 16 32 64 256] [--repeats 5]
-        [--threads N] [--clock wall|cpu] [--stat median|min] [--huge-pages]
+        [--threads N] [--clock wall|cpu] [--stat median|min] [--huge-pages] [--routes WORD ...]
 
 Per row count, every layer's qkv, o, gate_up and down projection (and the LM head) as one pass
 over the model's bf16 weights, through: the AVX512-BF16 dot kernel (``bf16_dot_linear``, where
@@ -62,6 +62,8 @@ def main() -> None:
     ap.add_argument("--huge-pages", action="store_true", help="weights in 2 MiB pages, as the cpu platform's")
     ap.add_argument("--few-rows-floats", type=int, nargs="+", choices=[8, 16], default=None,
                     help="time the few-rows kernel at each of these vector widths (default: the one this CPU takes)")
+    ap.add_argument("--routes", nargs="+", default=None, metavar="WORD",
+                    help="only the routes whose name holds one of these words (e.g. GEMM, kernel)")
     a = ap.parse_args()
     if a.threads:
         torch.set_num_threads(a.threads)
@@ -84,6 +86,8 @@ def main() -> None:
     for floats in widths:
         name = f"float32 GEMM ({floats}-float)" if a.few_rows_floats else "float32 GEMM"
         routes[name] = functools.partial(panel_gemm, floats)
+    if a.routes:
+        routes = {r: fn for r, fn in routes.items() if any(word in r for word in a.routes)}
     print(f"cpu: {cpu_features().describe()}; torch {torch.__version__}, {torch.get_num_threads()} threads; "
           f"few-rows kernel in {ops.few_rows_floats()}-float vectors")
     print(f"{a.model}: {nbytes / 2**20:.0f} MiB of bf16 linear weights{' in 2 MiB pages' if a.huge_pages else ''}; "

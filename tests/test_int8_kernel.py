@@ -70,3 +70,20 @@ def test_unknown_path_names_the_paths(paths):
     x, q, s, b = case(1, 64, 8, seed=0)
     with pytest.raises(RuntimeError, match="no path 'neon' in this build.*generic"):
         torch.ops.modserve_int8.linear_path(x, q, s, b, "neon")
+
+
+@pytest.mark.parametrize("rows", [1, 16, 17, 64])
+def test_dynamic_activations_are_int8_beyond_16_rows(paths, rows):
+    """linear_dynamic (W8A8): up to 16 rows linear()'s float32 activations, bit for bit; beyond,
+    each row of x rounded to int8 at absmax / 127 and int8 x int8 summed exactly in int32."""
+    x, q, s, b = case(rows, 1100, 70, seed=rows)
+    got = torch.ops.modserve_int8.linear_dynamic(x, q, s, b)
+    if rows <= 16:
+        assert torch.equal(got, torch.ops.modserve_int8.linear(x, q, s, b))
+        return
+    x_scale = x.abs().amax(1, keepdim=True) / 127  # [rows, 1]
+    xq = torch.round(x / x_scale).clamp(-127, 127)
+    want = (xq.double() @ q.double().T) * x_scale.double() * s.double() + b.double()
+    torch.testing.assert_close(got.double(), want, rtol=1e-6, atol=1e-6)
+    float_activations = (x.double() @ q.double().T) * s.double() + b.double()
+    assert not torch.allclose(got.double(), float_activations, rtol=1e-6, atol=1e-6)  # x was rounded

@@ -242,10 +242,32 @@ def test_kernels_agree_with_dequantize_then_matmul(method, kernel, float_dir, ca
     assert max_abs < (TOLERANCE["fp8"][0] if kernel == "scaled_mm" else 1e-4), f"{method} {kernel}: {max_abs}"
 
 
+def test_int8_activations_round_the_prefill_only(float_dir, cache_root, float_reference):
+    """``activations: int8`` (W8A8): a prompt of more than 16 tokens is prefilled with its rows
+    rounded to int8, within int8 rounding of the weight-only logits (and not equal to them); a
+    decode step of up to 16 rows keeps float32 activations: the same logits bit for bit."""
+    ids, float_logits = float_reference
+    weight_only = make_llm(float_dir, "int8")
+    w8a8 = make_llm(float_dir, {"name": "int8", "options": {"activations": "int8"}})
+    long_prompts = [p for p in ids if len(p) > 16]
+    assert long_prompts, "the test's prompts must be longer than 16 tokens"
+    got, want = prefill_logits(w8a8, long_prompts), prefill_logits(weight_only, long_prompts)
+    max_abs, kl = logit_error(got, want)
+    assert 0 < max_abs < TOLERANCE["int8"][0] and kl < TOLERANCE["int8"][1], (max_abs, kl)
+    short = [p[:8] for p in ids]  # 8 rows or fewer per prompt, prefilled one prompt at a time
+    for p in short:
+        assert torch.equal(prefill_logits(w8a8, [p])[0], prefill_logits(weight_only, [p])[0])
+
+
+def test_int8_activations_need_the_cpu_kernel(float_dir):
+    with pytest.raises(ValueError, match="activations: int8 needs the cpu kernel.*would run dequant"):
+        make_llm(float_dir, {"name": "int8", "options": {"kernel": "dequant", "activations": "int8"}})
+
+
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 8, 9, 12, 16, 17, 64])
 def test_int8_cpu_kernel_is_the_scaled_int8_product(rows):
     """``int8`` kernel ``cpu`` (auto's choice on a CPU): up to 16 rows read the int8 weights in
-    C++, more widen them for a GEMM; both give (x @ q.T) * s + b. K = 200 is no multiple of the
+    C++, more read them in blocks that stay in cache; both give (x @ q.T) * s + b. K = 200 is no multiple of the
     vector width and N = 300 none of a thread's claim, so every tail runs."""
     from modserve.quantizers.int8 import load_cpu_kernel
 

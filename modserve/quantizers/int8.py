@@ -41,6 +41,12 @@ class Int8Options(BaseModel):
     # product, 1 thread: 1.7 ms at T=1, 100 ms at 64, against 0.25 and 3.1 ms for dequant), so it
     # runs only when named.
     kernel: Literal["auto", "cpu", "int8pack", "dequant"] = "auto"
+    # float32: weight-only (W8A16), activations stay float32. int8 (W8A8, kernel cpu): steps of
+    # more than 16 rows (prefill, large batches) quantize each row of x to int8 (absmax / 127,
+    # vLLM's dynamic per-token scheme) and multiply int8 by int8 (torch's _int_mm: VNNI or
+    # AMX-INT8 where the CPU has them); decode steps of up to 16 rows, bound by reading the
+    # weights, keep float32 activations.
+    activations: Literal["float32", "int8"] = "float32"
 
 
 def quantize_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -75,18 +81,27 @@ class Int8(Quantizer):
             if problem and kernel == "cpu":
                 raise ValueError(f"int8 kernel cpu cannot run: {problem}")
             kernel = "dequant" if problem else "cpu"
+        if self.options.activations == "int8" and kernel != "cpu":
+            raise ValueError("int8 option activations: int8 needs the cpu kernel (float32 compute on a CPU "
+                             f"where it builds); this layer would run {kernel}")
         layer.kernel = kernel
         self.kernels.add(kernel)
 
     def traceable(self) -> bool:
         return self.kernels == {"cpu"}  # one C++ op with a fake; dequant's workspace is Python state
 
+    def cpu_op(self) -> str:
+        return "linear_dynamic" if self.options.activations == "int8" else "linear"
+
     def native_op(self, layer: nn.Module) -> tuple[str, list[torch.Tensor | None]] | None:
-        return ("modserve_int8::linear", [layer.qweight, layer.scales, layer.bias]) if layer.kernel == "cpu" else None
+        if layer.kernel != "cpu":
+            return None
+        return f"modserve_int8::{self.cpu_op()}", [layer.qweight, layer.scales, layer.bias]
 
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         if layer.kernel == "cpu":
-            return torch.ops.modserve_int8.linear(x, layer.qweight, layer.scales, layer.bias)  # [T, N]
+            op = getattr(torch.ops.modserve_int8, self.cpu_op())
+            return op(x, layer.qweight, layer.scales, layer.bias)  # [T, N]
         if layer.kernel == "int8pack":
             y = torch.ops.aten._weight_int8pack_mm(x, layer.qweight, layer.scales.to(x.dtype))  # [T, N]
             return y if layer.bias is None else y + layer.bias
@@ -124,4 +139,5 @@ def load_cpu_kernel() -> str | None:
     problem = load_kernel("modserve_int8_linear", str(KERNEL))
     if problem is None:
         torch.library.register_fake("modserve_int8::linear")(_linear_fake)
+        torch.library.register_fake("modserve_int8::linear_dynamic")(_linear_fake)
     return problem

@@ -242,11 +242,29 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& qweight, const at::Tens
   return linear_with(x, qweight, scales, bias, paths().front());
 }
 
+// W8A8 (Int8Options.activations: int8): beyond kMaxRows rows, where a step computes rather
+// than reads, each row of x is quantized to int8 with its own scale (absmax / 127, vLLM's
+// dynamic per-token scheme) and multiplied int8 by int8 into int32 sums (at::_int_mm: oneDNN,
+// on VNNI or AMX-INT8 where the CPU has them), scaled by both scales. Up to kMaxRows rows
+// (decode, bound by reading q) x stays float32, as in linear().
+at::Tensor linear_dynamic(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
+                          const c10::optional<at::Tensor>& bias) {
+  if (x.size(0) <= kMaxRows) return linear(x, qweight, scales, bias);
+  TORCH_CHECK(x.scalar_type() == at::kFloat && qweight.scalar_type() == at::kChar && x.size(1) == qweight.size(1),
+              "modserve_int8.linear_dynamic: float32 x [M, K], int8 qweight [N, K]");
+  const at::Tensor x_scale = x.abs().amax(1, true).clamp_min(1e-30f).div_(127.f);  // [M, 1]
+  const at::Tensor xq = x.div(x_scale).round_().clamp_(-127, 127).to(at::kChar);   // [M, K]
+  at::Tensor y = at::_int_mm(xq, qweight.t()).to(at::kFloat).mul_(x_scale).mul_(scales);  // [M, N]
+  return bias.has_value() ? y.add_(*bias) : y;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(modserve_int8, m) {
   m.def("linear(Tensor x, Tensor qweight, Tensor scales, Tensor? bias) -> Tensor");
   m.impl("linear", c10::DispatchKey::CPU, TORCH_FN(linear));
+  m.def("linear_dynamic(Tensor x, Tensor qweight, Tensor scales, Tensor? bias) -> Tensor");
+  m.impl("linear_dynamic", c10::DispatchKey::CPU, TORCH_FN(linear_dynamic));
   // The same product by a named path of this build, and the paths: for tests and benchmarks.
   m.def("linear_path(Tensor x, Tensor qweight, Tensor scales, Tensor? bias, str path) -> Tensor");
   m.impl("linear_path", c10::DispatchKey::CPU, TORCH_FN(linear_with));
