@@ -183,3 +183,33 @@ def test_sampling_settings_follow_their_rows():
             else:
                 assert type(a) is type(b) and a == b, name
     assert plain_steps > 100
+
+
+def test_plain_rows_with_a_penalty_get_each_steps_token_ids(llama_dir):
+    """A batch with no per-step rule passes the sampler the rows' settings as they are, unless
+    a row has a penalty: then each step's prompt and output token ids (padded) come with them."""
+    seen = []
+    with LLM(llama_dir, dtype="float32", progress=False, max_num_seqs=2, compile="off") as llm:
+        engine, runner = llm.engine, llm.engine.runner
+        sampling_batch = runner.sampling_batch
+
+        def recorded(seqs):
+            batch = sampling_batch(seqs)
+            assert runner.input_batch.plain(seqs)
+            seen.append(([s.prompt_token_ids for s in seqs], [s.output_token_ids for s in seqs], batch))
+            return batch
+
+        runner.sampling_batch = recorded
+        for rid, penalty in (("plain", 1.0), ("penalty", 1.5)):
+            engine.add_request(rid, [5, 6, 7, 8], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True,
+                                                                  repetition_penalty=penalty))
+            while engine.has_unfinished_requests():
+                engine.step()
+        vocab = runner.vocab_size
+    for prompts, outputs, batch in seen:
+        if batch.any_penalty:
+            for want, got in ((prompts, batch.prompt_token_ids), (outputs, batch.output_token_ids)):
+                assert [[t for t in row if t != vocab] for row in got.tolist()] == want
+        else:
+            assert batch.prompt_token_ids is None and batch.output_token_ids is None and not batch.banned_token_ids
+    assert [b.any_penalty for _, _, b in seen] == [False] * 6 + [True] * 6

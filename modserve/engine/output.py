@@ -83,7 +83,7 @@ class TokenReader:
                 continue
             touched[seq.request_id] = req
             news = req.news[seq.index]
-            new = seq.output_token_ids[news.read:]
+            new = seq.token_ids[seq.num_prompt_tokens + news.read:]  # not a copy of every output token first
             if seq.params.logprobs is not None:
                 news.logprobs += [logprob_entry(output.samples, row + i, seq.params.logprobs) for i in range(len(new))]
             news.ids += new

@@ -195,13 +195,14 @@ class SchedulerCore(SchedulerView):
         if not isinstance(schedule, Schedule) or not isinstance(schedule.tokens, dict):
             raise broke(self.policy, "scheduler", "schedule()", "a Schedule (tokens: a dict of sequence -> int)",
                         described(schedule))
-        self._check(schedule)
+        needs = self._check(schedule)
         out = ScheduledStep([], [], list(schedule.preempt))
         for seq in schedule.preempt:
             self._preempt(seq, out)
-        # The blocks each sequence takes, as checked; what is left of them is kept for the
-        # sequences still to allocate, so a prefix match cannot eat into their share.
-        needs = [self.blocks_needed(seq, n) for seq, n in schedule.tokens.items()]
+        if schedule.preempt:  # a block it shared with a scheduled sequence may need no copy now
+            needs = [self.blocks_needed(seq, n) for seq, n in schedule.tokens.items()]
+        # The blocks each sequence takes; what is left of them is kept for the sequences
+        # still to allocate, so a prefix match cannot eat into their share.
         reserved = sum(needs)
         for (seq, n), need in zip(schedule.tokens.items(), needs):
             reserved -= need
@@ -475,18 +476,20 @@ class SchedulerCore(SchedulerView):
         self.swapped.append(seq)
         self.preemptions["swap"] += 1
 
-    def _check(self, schedule: Schedule) -> None:
+    def _check(self, schedule: Schedule) -> list[int]:
+        """Refuse a schedule the queues, budget or blocks do not allow; the blocks each
+        scheduled sequence takes, in the schedule's order."""
         def refuse(why: str) -> PluginError:
             return PluginError(f"{who(self.policy, 'scheduler')}: schedule() returned an invalid schedule: {why}")
 
         running, waiting, swapped = set(self.running), set(self.waiting), set(self.swapped)
         preempt = set(schedule.preempt)
-        if busy := self.in_flight & (preempt | set(schedule.tokens)):
+        if self.in_flight and (busy := self.in_flight & (preempt | set(schedule.tokens))):
             raise refuse(f"sequence {next(iter(busy)).seq_id} is in a step still in flight (its next token is "
                          "not known yet)")
         if len(preempt) != len(schedule.preempt) or not preempt <= running:
             raise refuse("it preempts a sequence that is not running (or one twice)")
-        total = blocks = 0
+        total, needs = 0, []
         for seq, n in schedule.tokens.items():
             if seq in preempt or not (seq in running or seq in waiting or seq in swapped):
                 raise refuse(f"sequence {seq.seq_id} is not running, waiting or swapped")
@@ -494,15 +497,16 @@ class SchedulerCore(SchedulerView):
             if not isinstance(n, int) or not 1 <= n <= remaining:
                 raise refuse(f"sequence {seq.seq_id} gets {n!r} tokens, it has {remaining} to compute")
             total += n
-            blocks += self.blocks_needed(seq, n)
+            needs.append(self.blocks_needed(seq, n))
         if total > self.limits.max_num_batched_tokens:
             raise refuse(f"{total} tokens exceed max_num_batched_tokens={self.limits.max_num_batched_tokens}")
         admitted = sum(1 for s in schedule.tokens if s not in running)
         if len(running) - len(preempt) + admitted > self.limits.max_num_seqs:
             raise refuse(f"more than max_num_seqs={self.limits.max_num_seqs} running sequences")
         freed = sum(self.blocks_freed_by(s) for s in preempt)
-        if blocks > self.free_blocks() + freed:
+        if (blocks := sum(needs)) > self.free_blocks() + freed:
             raise refuse(f"needs {blocks} KV blocks, {self.free_blocks() + freed} are free")
+        return needs
 
 
 def _accepts(matcher: GrammarMatcher, token: int) -> bool:

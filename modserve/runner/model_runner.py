@@ -305,7 +305,6 @@ class ModelRunner:
                 dst_caches[i][:, dst] = src_caches[i][:, src].to(dst_caches[i].device, non_blocking=non_blocking)
 
     # -- one step -------------------------------------------------------------------
-    @torch.inference_mode()
     def execute(self, scheduled: ScheduledStep) -> ModelOutput:
         """Run one scheduled step: its block moves, then the model on each sequence's
         scheduled tokens (its drafts last); sample for the sequences whose last token the
@@ -356,7 +355,8 @@ class ModelRunner:
         """The step's tensor work, on every rank: block moves, the forward (saving the KV
         connector's blocks as each layer writes them), then the logits ``[R, vocab]`` of
         each set of rows (None for an empty one)."""
-        self.move_blocks(step.copies, step.swap_out, step.swap_in)
+        if step.copies or step.swap_out or step.swap_in:
+            self.move_blocks(step.copies, step.swap_out, step.swap_in)
         mapping = self.lora.activate(step.lora) if self.lora is not None else None  # every stage's adapters in slots
         if self.pp.size > 1:
             return self._run_stage(step.input_ids, step.meta, step.logit_rows, mapping)
@@ -602,6 +602,9 @@ class ModelRunner:
             rows = self.input_batch.sampling_settings() if plain else self._row_settings(seqs)
             self._settings = (tuple(seqs), rows, [] if plain else bad_word_rows(seqs))
         _, rows, word_rows = self._settings
+        processors = self.logits_processors
+        if plain and not rows.any_penalty and not processors:  # nothing read per step: the rows' batch as it is
+            return rows
         banned = [] if plain else [(row, list(s.params.stop_token_ids) + self.eos_token_ids)
                                    for row, s in enumerate(seqs) if s.num_output_tokens < s.params.min_tokens]
         banned += bad_word_bans(seqs, word_rows)  # looks only at rows with bad words of several tokens
@@ -610,7 +613,6 @@ class ModelRunner:
             prompt = self._padded([s.prompt_token_ids for s in seqs])
             output = self._padded([s.output_token_ids for s in seqs])
         grammar = None if plain else fill_token_bitmask(seqs, self.vocab_size, self.device)
-        processors = self.logits_processors
         if processors:  # none configured: not a call more
             processors.update(seqs)
         return dataclasses.replace(rows, prompt_token_ids=prompt, output_token_ids=output, banned_token_ids=banned,
