@@ -370,3 +370,17 @@ def test_registered_as_default_without_importing_torch_code():
         "assert 'torch' not in sys.modules\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_row_argmax_is_torchs_argmax_on_ties_nan_and_infinities():
+    """The greedy argmax (numpy's on float32 CPU logits) picks what torch.argmax picks."""
+    from modserve.samplers.default import row_argmax
+
+    nan, inf = float("nan"), float("inf")
+    edge = torch.tensor([[1.0, 3.0, 3.0, 0.0], [nan, 1.0, nan, 5.0], [-inf] * 4, [2.0, inf, inf, 1.0],
+                         [0.0, 0.0, nan, 9.0], [-1.0, -1.0, -1.0, -1.0]])
+    rand = torch.randn(16, 4096, generator=torch.Generator().manual_seed(0))
+    rand[3, 100] = rand[3, 7] = rand[3].max() + 1  # a tie at the maximum
+    for logits in (edge, rand, rand[:, ::2], rand[:0], rand.bfloat16()):
+        got = row_argmax(logits)
+        assert got.dtype == torch.int64 and torch.equal(got, logits.argmax(dim=-1)), logits.dtype

@@ -16,6 +16,15 @@ _NEG_INF = float("-inf")
 _MIN_TEMPERATURE = 1e-2
 
 
+def row_argmax(logits: torch.Tensor) -> torch.Tensor:
+    """``logits.argmax(dim=-1)`` ([B, V] -> [B] int64). Float32 logits in a CPU tensor go
+    through numpy's argmax: torch 2.13's CPU argmax is many times slower (docs/parallelism.md,
+    the core's Python per step). Both take the first of equal maxima and a NaN as the maximum."""
+    if logits.device.type == "cpu" and logits.dtype == torch.float32 and not torch.compiler.is_compiling():
+        return torch.from_numpy(logits.detach().numpy().argmax(-1))
+    return logits.argmax(dim=-1)
+
+
 def _token_counts(ids: torch.Tensor, vocab_size: int, num_cols: int) -> torch.Tensor:
     """Per-row occurrence counts [B, V] of ``ids`` [B, L]; ids >= vocab_size are padding."""
     B = ids.shape[0]
@@ -90,11 +99,11 @@ class DefaultSampler(Sampler):
         if (batch.all_greedy and batch.max_num_logprobs < 0 and batch.allowed_token_bitmask is None
                 and not batch.banned_token_ids and not batch.any_penalty and batch.logit_bias is None
                 and not batch.logits_processors):
-            return SamplerOutput(token_ids=logits.argmax(dim=-1))  # nothing to mask: no float32 copy
+            return SamplerOutput(token_ids=row_argmax(logits))  # nothing to mask: no float32 copy
         # Logprobs are of the raw model distribution, before any processing.
         raw_logprobs = logits.float().log_softmax(dim=-1) if batch.max_num_logprobs >= 0 else None  # [B, V]
         logits = self._mask_and_penalise(logits, batch)
-        greedy = logits.argmax(dim=-1)  # [B]
+        greedy = row_argmax(logits)  # [B]
         if batch.all_greedy:
             token_ids = greedy
         else:
