@@ -375,7 +375,9 @@ def _gemm_dtype(llm: Any) -> str:
     from modserve.api import float_layers
 
     layers = float_layers(llm.model_module)
-    bf16_weights = any(m.weight.dtype == torch.bfloat16 for m in layers)  # a tied head may stay float32
+    # a tied head may stay float32; a layer with a decode copy (the CPU's few-rows route) multiplies
+    # batches in float32, whatever its weight's dtype
+    bf16_weights = any(m.weight.dtype == torch.bfloat16 and not hasattr(m, "decode_weight") for m in layers)
     return "bfloat16" if bf16_weights else str(llm.dtype).removeprefix("torch.")
 
 

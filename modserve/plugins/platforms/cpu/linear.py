@@ -13,9 +13,10 @@ read once per token. A bfloat16 checkpoint's weights are exact in bfloat16, and
 - ``few_rows`` (elsewhere): up to 16 rows, a C++ kernel (``csrc/bf16_linear.cpp``,
   ``modserve_cpu::few_rows_linear``) reads a 16-bit copy once per 8 rows and accumulates
   float32 inputs exactly (in 16-float vectors on AVX-512 CPUs without AVX512-BF16:
-  :meth:`.features.CpuFeatures.few_rows_floats`); prefill and larger batches keep float32 weights and GEMMs
-  (packed once at load where :mod:`.prepack` says so). Where the kernel cannot be built,
-  or for a float16 copy, a compiled GEMV does the same for a single row.
+  :meth:`.features.CpuFeatures.few_rows_floats`); prefill and larger batches multiply float32
+  weights: panels packed once at load where :mod:`.prepack` says so (the layer's weight is then
+  the bf16 copy, no plain float32 one kept), else the plain weight. Where the kernel cannot be
+  built, or for a float16 copy, a compiled GEMV does the same for a single row.
 
 Which copies a layer holds is decided once, after loading (:class:`.platform.CpuPlatform`);
 :meth:`CpuLinear.apply` only reads what is there.
@@ -55,13 +56,13 @@ class CpuLinear(Unquantized):
                               getattr(layer, "packed_weight", None))
 
     def native_op(self, layer: nn.Module) -> tuple[str, list[torch.Tensor | None]] | None:
-        if layer.weight.dtype == torch.bfloat16 and _bf16_kernel:
-            return "modserve_cpu::bf16_gemm_linear", [layer.weight, getattr(layer, "packed_weight", None), layer.bias]
         decode_weight = getattr(layer, "decode_weight", None)
-        if decode_weight is None or decode_weight.dtype != torch.bfloat16 or not _bf16_kernel:
-            return None
-        return "modserve_cpu::few_rows_linear", [layer.weight, decode_weight, getattr(layer, "packed_weight", None),
-                                                  layer.bias]
+        if decode_weight is not None and decode_weight.dtype == torch.bfloat16 and _bf16_kernel:
+            return "modserve_cpu::few_rows_linear", [layer.weight, decode_weight, getattr(layer, "packed_weight", None),
+                                                      layer.bias]
+        if decode_weight is None and layer.weight.dtype == torch.bfloat16 and _bf16_kernel:
+            return "modserve_cpu::bf16_gemm_linear", [layer.weight, getattr(layer, "packed_weight", None), layer.bias]
+        return None
 
 
 def linear_or_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
@@ -72,14 +73,17 @@ def linear_or_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     (up to :data:`FEW_ROWS` rows from the bf16 copy, more in float32); for one
     row inside a compiled region, the 16-bit ``decode_weight`` as one fused
     upcast-multiply-sum over ``in``; with a ``packed_weight`` (:mod:`.prepack`:
-    panels or oneDNN's layout), the GEMM for that layout."""
-    if weight.dtype == torch.bfloat16 and x.dtype == torch.float32:
+    panels or oneDNN's layout), the GEMM for that layout.
+
+    NOTE: a layer with a ``decode_weight`` takes the few-rows route whatever its weight's
+    dtype: beside panels its weight is that bf16 copy itself (:func:`.prepack.add_packed_weights`)."""
+    if decode_weight is not None and decode_weight.dtype == torch.bfloat16 and _bf16_kernel:
+        return torch.ops.modserve_cpu.few_rows_linear(x, weight, decode_weight, packed_weight, bias)
+    if decode_weight is None and weight.dtype == torch.bfloat16 and x.dtype == torch.float32:
         if _bf16_kernel:
             return torch.ops.modserve_cpu.bf16_gemm_linear(x, weight, packed_weight, bias)
         y = F.linear(x.to(torch.bfloat16), weight).float()
         return y if bias is None else y + bias
-    if decode_weight is not None and decode_weight.dtype == torch.bfloat16 and _bf16_kernel:
-        return torch.ops.modserve_cpu.few_rows_linear(x, weight, decode_weight, packed_weight, bias)
     if decode_weight is not None and x.shape[0] == 1 and torch.compiler.is_compiling():
         y = (x.unsqueeze(1) * decode_weight.to(x.dtype)).sum(-1)  # [1, out], float32 accumulation
         return y if bias is None else y + bias

@@ -113,6 +113,9 @@ class CpuPlatform(Platform):
             decode_bytes = add_decode_weights(model, decode_dtype) if decode_dtype is not None else None
             if self.prepack_wanted(load.prepack_weights, load.dtype, model_bytes(model), load.quantized):
                 packed_bytes = add_packed_weights(model)
+            elif decode_dtype is not None:
+                logger.info("prepack_weights off: the linears keep float32 weights beside their %s decode copies "
+                            "(batches multiply them unpacked)", str(decode_dtype).removeprefix("torch."))
         if self.options.huge_pages:
             self._move_to_huge_pages(model)
         return FinishedModel(compiled, decode_bytes, packed_bytes)

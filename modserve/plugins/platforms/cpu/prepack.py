@@ -38,18 +38,42 @@ def to_panels(weight: torch.Tensor) -> torch.Tensor:
 def add_packed_weights(model: nn.Module) -> int:
     """Give every :func:`~modserve.runner.linear.float_layers` layer (linears, the LM head) a
     ``packed_weight`` attribute, panels where the C++ kernel is built, else oneDNN's
-    layout (logged); returns the bytes the packed copies take."""
+    layout (logged); returns the bytes the packed copies take.
+
+    Beside panels, a layer with a bfloat16 ``decode_weight`` (the few-rows route) reads its
+    float32 weight nowhere: ``few_rows_linear`` takes up to 16 rows from the copy, more from
+    the panels. That copy becomes its weight (:func:`_weight_is_decode_copy`) as soon as the
+    layer is packed, so no more than one layer holds its float32 weight and panels at once."""
     panels = bf16_linear_ready()
     logger.info("prepack_weights: %s", "float32 panels for the C++ GEMM" if panels else
                 "oneDNN's layout (the C++ kernel is not built here)")
-    total = 0
-    for module in float_layers(model):
+    layers = float_layers(model)
+    total, narrowed = 0, 0
+    for module in layers:
         weight = module.weight.detach()
         # A plain attribute, not a buffer: state_dict, .to() and model_bytes know nothing of
         # the packed layouts.
         module.packed_weight = to_panels(weight) if panels else torch.ops.mkldnn._reorder_linear_weight(weight, None)
         total += (module.packed_weight.numel() if panels else weight.numel()) * 4
+        if panels:
+            narrowed += _weight_is_decode_copy(module)
+    if narrowed:
+        logger.info("prepack_weights: %d of %d layers hold their weight as their bf16 decode copy beside the "
+                    "panels, no plain float32 one", narrowed, len(layers))
     return total
+
+
+def _weight_is_decode_copy(module: nn.Module) -> bool:
+    """Make a layer's bfloat16 ``decode_weight`` its weight as well (one storage; exact, the
+    checkpoint being bf16), dropping the float32 one; False where it has no such copy.
+
+    NOTE: a head tied to the embedding is untied by this at no cost: the embedding keeps its
+    float32 rows, which it reads, and the head reads its copy and panels."""
+    decode = getattr(module, "decode_weight", None)
+    if decode is None or decode.dtype != torch.bfloat16:
+        return False
+    module.weight = nn.Parameter(decode, requires_grad=False)  # a new tensor on decode's storage
+    return True
 
 
 # The row count oneDNN lays a bf16 weight out for: decode batches, which the packed copy
