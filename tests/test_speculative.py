@@ -175,16 +175,19 @@ def test_guided_decoding_with_speculation(llama_dir):
 def test_through_the_server_greedy_identical(llama_dir, plain, tmp_path):
     """`modserve serve --speculative ...`: streamed and whole greedy text equal the
     engine's without speculation, for both proposers; several tokens may share a chunk."""
-    from test_server import _launch, _stop, _wait_healthy
+    from server_process import launch, stop_all, wait_healthy
 
     prompt = PROMPTS[0]
     expected = plain.generate([prompt], GREEDY, use_tqdm=False)[0].outputs[0].text
-    for spec in ("{proposer: ngram, num_speculative_tokens: 4}",
-                 f"{{proposer: {{name: draft_model, options: {{model: {llama_dir}}}}}, num_speculative_tokens: 3}}"):
-        server = _launch(tmp_path, "spec", "--model", llama_dir, "--dtype", "float32", "--num-kv-blocks", "128",
-                         "--max-model-len", "256", "--speculative", spec)
-        try:
-            _wait_healthy(server)
+    specs = {"ngram": "{proposer: ngram, num_speculative_tokens: 4}",
+             "draft": f"{{proposer: {{name: draft_model, options: {{model: {llama_dir}}}}}, "
+                      "num_speculative_tokens: 3}"}
+    # Both servers start at once: a start is mostly one process's imports, and there are 2 cores.
+    servers = [launch(tmp_path, name, "--model", llama_dir, "--dtype", "float32", "--num-kv-blocks", "128",
+                      "--max-model-len", "256", "--speculative", spec) for name, spec in specs.items()]
+    try:
+        for server in servers:
+            wait_healthy(server, timeout=180)
             client = server.client()
             kwargs = dict(model=client.models.list().data[0].id, prompt=prompt, max_tokens=24, temperature=0,
                           extra_body={"ignore_eos": True})
@@ -192,5 +195,5 @@ def test_through_the_server_greedy_identical(llama_dir, plain, tmp_path):
             chunks = [c.choices[0].text for c in client.completions.create(stream=True, **kwargs) if c.choices]
             assert "".join(chunks) == expected
             assert server.metrics()["modserve_spec_accepted_tokens_total"] > 0
-        finally:
-            _stop(server)
+    finally:
+        stop_all(*servers)

@@ -52,14 +52,18 @@ def _storage_dir() -> dict[str, Any]:
     return {"path": tempfile.mkdtemp(prefix="modserve-kit-kv-"), "delete_on_close": True}
 
 
-# Options the kit passes to built-ins that cannot run on their defaults, when the command line
-# gives none. NOTE: keyed on the distribution too: a third-party name never picks these up.
+# Options the kit passes to built-ins that cannot run on their defaults, or run slowly on them,
+# when the command line gives none. NOTE: keyed on the distribution too: a third-party name never
+# picks these up.
 BUILTIN_OPTIONS: dict[tuple[str, str], Callable[[], dict[str, Any]]] = {
     ("proposer", "draft_model"): _draft_checkpoint,
     ("kv_connector", "shared_storage"): _storage_dir,  # not the default ./kv_store of the directory it runs in
     ("kv_connector", "host"): lambda: {"num_blocks": 64},  # not 4 GiB
     ("kv_connector", "mooncake"): lambda: {"num_blocks": 64, "bootstrap_port": 0},  # not 1 GiB, nor port 8998
     ("lora_resolver", "filesystem"): lambda: {"cache_dir": str(_kit_adapters())},  # not $VLLM_LORA_RESOLVER_CACHE_DIR
+    # A worker that does not stop is killed after stop_timeout: 2 s, not the default 10, of waiting.
+    ("executor", "mp"): lambda: {"stop_timeout": 2},
+    ("executor", "ray"): lambda: {"stop_timeout": 2},
 }
 
 

@@ -5,7 +5,8 @@ Engines of the tiny Llama, float32, one thread per rank (:mod:`.tp_engines`); th
 each worker's process through a sampler it registers as a module plugin
 (:mod:`.executor_probe`). An executor that runs one rank only (``uni``) must refuse more with
 a clear ``ValueError``; the checks of two ranks are skipped for it. Each engine start costs
-seconds (the workers import torch); an executor that starts a cluster first (Ray) costs more.
+seconds (the workers import torch); the built-in ray's engines share one local cluster
+(:func:`.tp_engines.shared_cluster`).
 """
 
 from __future__ import annotations
@@ -21,8 +22,8 @@ from modserve.engine.engine import EngineDeadError
 from modserve.core.sampling_params import SamplingParams
 from modserve.testing.conformance.targets import Implementation
 from modserve.testing.conformance.tp_engines import (
-    PROMPTS, STEP_WITHIN, TP, Ranks, describe, generate, one_rank_tokens, start, wait_gone,
-    within,
+    PROMPTS, STEP_WITHIN, TP, Ranks, describe, generate, one_rank_tokens, shared_cluster, start,
+    wait_gone, within,
 )
 
 CONFORMANCE_KIND = "executor"
@@ -38,8 +39,15 @@ def one_rank() -> list[list[int]]:
     return one_rank_tokens()
 
 
+@pytest.fixture(scope="module", autouse=True)
+def cluster(implementation: Implementation) -> Iterator[None]:
+    """What an executor's engines may share across the module (the built-in ray's one cluster)."""
+    with shared_cluster(implementation):
+        yield
+
+
 @pytest.fixture(scope="module")
-def ranks(implementation: Implementation) -> Iterator[Ranks]:
+def ranks(implementation: Implementation, cluster: None) -> Iterator[Ranks]:
     """One engine of two ranks, shared by the checks of a healthy engine; the last one shuts it down."""
     made = start(implementation)
     try:

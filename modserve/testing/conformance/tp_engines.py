@@ -235,6 +235,35 @@ def _probe_registered(registry: Registry) -> Iterator[None]:
             yield
 
 
+@contextmanager
+def shared_cluster(implementation: Implementation) -> Iterator[None]:
+    """The built-in ray executor on its defaults: one local Ray cluster this process joins for
+    the module's engines, each executor then joining it as "the Ray this process is already
+    connected to" (its default). Each engine would otherwise start and stop a cluster of its
+    own, the costliest part of its start; tests/test_executor_ray.py checks that path. A
+    shared cluster also outlives ``shutdown()``, so a worker left there is seen. Anything
+    else, options given or Ray already joined: nothing."""
+    builtin_ray = (implementation is not None and implementation.options is None
+                   and (implementation.kind, implementation.name) == ("executor", "ray")
+                   and implementation.registration.distribution == "modserve")
+    try:
+        import ray
+    except ImportError:
+        builtin_ray = False
+    if not builtin_ray or os.environ.get("RAY_ADDRESS") or ray.is_initialized():
+        yield
+        return
+    from modserve.plugins.executors.ray_cluster import LocalCluster
+
+    cluster = LocalCluster(2 * TP)  # the module's engine and a test's own, placed side by side
+    try:
+        ray.init(address=cluster.address)
+        yield
+    finally:
+        ray.shutdown()
+        cluster.stop()
+
+
 def start(implementation: Implementation, linger: bool = False) -> Ranks:
     """An engine of ``TP`` ranks through ``implementation`` (its options from the command line),
     or the error its start raised. ``linger``: every worker's process stays once told to stop."""
