@@ -12,7 +12,6 @@ import os
 import signal
 import socket
 import sys
-import time
 
 import pytest
 

@@ -12,10 +12,8 @@ from __future__ import annotations
 import json
 import signal
 import socket
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import httpx
 import pytest
