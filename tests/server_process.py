@@ -15,6 +15,7 @@ from typing import Callable, Iterator
 
 import httpx
 import openai
+import psutil
 from prometheus_client.parser import text_string_to_metric_families
 
 
@@ -53,7 +54,7 @@ def launch(tmp: Path, name: str, *flags: str, env: dict[str, str] | None = None)
     return Server(proc, f"http://127.0.0.1:{port}", log)
 
 
-def wait_healthy(server: Server, timeout: float = 90) -> None:
+def wait_healthy(server: Server, timeout: float = 120) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if server.proc.poll() is not None:
@@ -64,7 +65,25 @@ def wait_healthy(server: Server, timeout: float = 90) -> None:
         except httpx.HTTPError:
             pass
         time.sleep(0.2)
-    raise TimeoutError(f"server not healthy after {timeout} s:\n{server.log.read_text()}")
+    dump_stacks(server)
+    raise TimeoutError(f"server not healthy after {timeout} s (its threads' stacks at the end):\n"
+                       f"{server.log.read_text()}")
+
+
+def dump_stacks(server: Server) -> None:
+    """Every thread's stack of the server and of its engine cores, into its log: they print them
+    on SIGUSR1 (faulthandler). Other processes it started (workers) are left alone: SIGUSR1
+    would end them."""
+    try:
+        procs = [psutil.Process(server.proc.pid)]
+        procs += procs[0].children(recursive=True)
+    except psutil.NoSuchProcess:
+        return
+    for proc in procs:
+        with contextlib.suppress(psutil.Error):
+            if proc.cmdline()[1:3] in (["-m", "modserve"], ["-m", "modserve.engine.core_process"]):
+                proc.send_signal(signal.SIGUSR1)
+                time.sleep(0.5)  # one at a time: they write to the same log
 
 
 def launch_healthy(tmp: Path, name: str, *flags: str, timeout: float = 90,

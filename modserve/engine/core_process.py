@@ -16,6 +16,7 @@ goes (kill -9 included), and its workers' watchdogs end them once their parent i
 from __future__ import annotations
 
 import ctypes
+import faulthandler
 import logging
 import os
 import signal
@@ -222,6 +223,7 @@ def main() -> int:
     logging.basicConfig(level=os.environ.get("MODSERVE_LOG_LEVEL", "INFO").upper(),
                         format=f"%(asctime)s %(levelname)s [engine-core {spec.dp_rank}] %(name)s: %(message)s")
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the server decides when the core stops
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 <pid>`: where each thread is
     return run_core(spec)
 
 
