@@ -3,12 +3,10 @@
 from __future__ import annotations
 
 import argparse
-import faulthandler
 import importlib
 import json
 import logging
 import os
-import signal
 import sys
 from typing import TYPE_CHECKING, Any
 
@@ -460,7 +458,6 @@ def main(argv: list[str] | None = None) -> int:
         args.pytest_args = pytest_args
     args.log_level = getattr(args, "log_level", "INFO")
     logging.basicConfig(level=args.log_level, format="%(levelname)s %(name)s: %(message)s")
-    faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 <pid>`: where each thread is
     try:
         return args.func(args)
     except ValueError as e:

@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
+import faulthandler
+import io
 import logging
 import os
+import signal
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -37,6 +41,13 @@ def add_parsers(subparsers: Any) -> None:
     p.set_defaults(func=cmd_serve)
 
 
+def stacks_on_sigusr1() -> None:
+    """``kill -USR1 <pid>`` prints every thread's stack to stderr (faulthandler): where a server
+    that seems stuck is. Not where stderr is no file (a caller that captures it in memory)."""
+    with contextlib.suppress(io.UnsupportedOperation, AttributeError, ValueError):
+        faulthandler.register(signal.SIGUSR1, all_threads=True)
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     from modserve.cli import config_from_args
     from modserve.generation_defaults import GenerationDefaults
@@ -44,6 +55,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from modserve.server.demo import use_demo_model
     from modserve.server.run import run
 
+    stacks_on_sigusr1()
     if not args.config and args.cfg_model is None and args.model_tag is None:
         use_demo_model(args)
     config = config_from_args(args)  # a config file's host, port and api_key land on args here
