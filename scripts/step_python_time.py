@@ -23,8 +23,8 @@ import time
 from collections import defaultdict
 from typing import Callable
 
-PHASES = ("schedule", "batch build", "sampling prep", "forward + logits", "sample", "runner rest", "update",
-          "emit", "engine rest")
+PHASES = ("schedule", "batch build", "sampling prep", "forward + logits", "attention prepare", "sample",
+          "runner rest", "update", "emit", "engine rest")
 
 
 class PhaseClock:
@@ -54,6 +54,7 @@ def instrument(engine) -> PhaseClock:
     clock.wrap(runner, "_prepare", "batch build")
     clock.wrap(runner, "sampling_batch", "sampling prep")
     clock.wrap(runner, "on_every_rank", "forward + logits")
+    clock.wrap(runner.attn, "prepare", "attention prepare")  # inside the forward: its per-step Python
     clock.wrap(runner, "_sample", "_sample")  # the sampler is what _sample spends beyond sampling_batch
     clock.wrap(runner, "execute", "execute")
     clock.wrap(engine.scheduler, "update", "update")
@@ -63,8 +64,8 @@ def instrument(engine) -> PhaseClock:
 
 def split(spent: dict[str, float]) -> dict[str, float]:
     """The nested clocks as the disjoint PHASES plus "step" and "python" (step less forward)."""
-    out = {p: spent.get(p, 0.0) for p in ("schedule", "batch build", "sampling prep", "forward + logits", "update",
-                                          "emit")}
+    out = {p: spent.get(p, 0.0) for p in ("schedule", "batch build", "sampling prep", "forward + logits",
+                                          "attention prepare", "update", "emit")}
     out["sample"] = spent["_sample"] - spent["sampling prep"]
     out["runner rest"] = spent["execute"] - spent["batch build"] - spent["forward + logits"] - spent["_sample"]
     out["engine rest"] = spent["step"] - spent["schedule"] - spent["execute"] - spent["update"] - spent["emit"]

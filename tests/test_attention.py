@@ -14,7 +14,7 @@ import torch
 
 import functools
 
-from modserve.attention_backends.paged import PagedAttention, PagedAttentionState, PagedOptions
+from modserve.attention_backends.paged import PagedAttention, PagedAttentionState, PagedOptions, write_rows
 from modserve.attention_backends.reference import ReferenceAttention
 from modserve.core.contracts.attention_backend import AttentionBackend, AttentionMetadata, AttentionSpec
 
@@ -291,6 +291,22 @@ def test_paged_state_shared_across_layers() -> None:
         out = backend.forward(layer_case.q, layer_case.k, layer_case.v, cache, case.meta, state)
         torch.testing.assert_close(out.double(), naive_attention(layer_case), rtol=0, atol=1e-5)
         check_cache(layer_case, slot_view(backend, cache))
+
+
+@pytest.mark.parametrize("num_tokens", [1, 5, 16, 17, 300])
+@pytest.mark.parametrize("num_kv_heads", [1, 8])
+def test_write_rows_in_python_numpy_and_torch_agree(num_tokens: int, num_kv_heads: int, monkeypatch) -> None:
+    """A step's cache rows, made in a Python list (a few), numpy (more) or torch ops (off the
+    CPU), are the rows of slot s's token for each KV head: (block * Hkv + h) * bs + offset."""
+    bs = 4
+    slots = torch.randperm(4096, generator=torch.Generator().manual_seed(num_tokens))[:num_tokens]  # [T]
+    expected = torch.tensor([(int(x) // bs * num_kv_heads + h) * bs + int(x) % bs
+                             for x in slots for h in range(num_kv_heads)], dtype=torch.int64)
+    assert torch.equal(write_rows(slots, bs, num_kv_heads), expected)
+    with torch.inference_mode():
+        assert torch.equal(write_rows(slots, bs, num_kv_heads), expected)
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)  # the torch ops' path (a compiled region's)
+    assert torch.equal(write_rows(slots, bs, num_kv_heads), expected)
 
 
 def test_paged_reused_across_steps() -> None:

@@ -55,6 +55,7 @@ import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from pydantic import BaseModel, Field
@@ -64,6 +65,35 @@ from modserve.api.fp8 import FP8, fp8_to_float, to_fp8
 from modserve.api import AttentionBackend, AttentionMetadata, AttentionSpec
 
 logger = logging.getLogger("modserve")
+
+
+FEW_WRITE_ROWS = 128  # up to this many, a step's write rows are made in Python, not numpy
+
+
+def write_rows(slots: torch.Tensor, block_size: int, num_kv_heads: int) -> torch.Tensor:  # [T] -> [T * Hkv]
+    """The cache rows (a half viewed ``[num_blocks * Hkv * bs, D]``) each new token's k or v goes
+    to, ordered (t, h) as ``k.reshape(T * Hkv, D)``. In numpy for a CPU tensor: a step's handful
+    of tiny ops costs a few microseconds there against tens in torch's dispatch, and a few
+    decodes' rows in a Python list fewer still."""
+    if slots.device.type == "cpu" and not torch.compiler.is_compiling():
+        if slots.shape[0] * num_kv_heads <= FEW_WRITE_ROWS:
+            few = [(x // block_size * num_kv_heads + h) * block_size + x % block_size
+                   for x in slots.tolist() for h in range(num_kv_heads)]
+            return torch.from_numpy(np.array(few, dtype=np.int64))
+        s = slots.numpy()  # [T]
+        rows = ((s // block_size * num_kv_heads)[:, None] + np.arange(num_kv_heads)) * block_size \
+            + (s % block_size)[:, None]  # [T, Hkv]
+        return torch.from_numpy(rows.reshape(-1))
+    heads = torch.arange(num_kv_heads, device=slots.device)  # [Hkv]
+    rows = ((slots // block_size * num_kv_heads)[:, None] + heads) * block_size + (slots % block_size)[:, None]
+    return rows.reshape(-1)
+
+
+@functools.cache
+def head_ids(num_kv_heads: int, device: torch.device) -> torch.Tensor:  # [Hkv]
+    """``arange(Hkv)``, made once per device: nothing writes it."""
+    with torch.inference_mode(False):
+        return torch.arange(num_kv_heads, device=device)
 
 
 class PagedOptions(BaseModel):
@@ -174,11 +204,8 @@ class PagedAttention(AttentionBackend):
         bs, hkv = self.spec.block_size, self.spec.num_kv_heads
         device = meta.block_tables.device
         state = PagedAttentionState()
-        heads = torch.arange(hkv, device=device)  # [Hkv]
-
-        slots = meta.slot_mapping  # [T]
-        rows = ((slots // bs * hkv)[:, None] + heads) * bs + (slots % bs)[:, None]  # [T, Hkv]
-        state.write_rows = rows.reshape(-1)  # ordered (t, h), as k.reshape(T * Hkv, D)
+        heads = head_ids(hkv, device)  # [Hkv]
+        state.write_rows = write_rows(meta.slot_mapping, bs, hkv)
 
         decode_seqs = [i for i, n in enumerate(meta.query_lens_cpu) if n == 1]
         state.num_decodes = len(decode_seqs)
