@@ -76,6 +76,9 @@ def main() -> int:
     ap.add_argument("--modserve-args", default="", help="extra `modserve serve` arguments, one string")
     ap.add_argument("--log-dir", default="build/serve-vs-vllm")
     ap.add_argument("--start-timeout", type=float, default=900.0, help="s to wait for each server")
+    ap.add_argument("--request-rates", type=float, nargs="+", default=[],
+                    help="one bench run per rate (its --request-rate) against the same two servers, "
+                    "started once; a --plot path gets the rate in its name")
     args = ap.parse_args(own)
     log_dir = Path(args.log_dir)
     log_dir.mkdir(parents=True, exist_ok=True)
@@ -91,9 +94,24 @@ def main() -> int:
             server("modserve", modserve_cmd, modserve_port, log_dir, args.start_timeout, env) as modserve_url:
         bench = [sys.executable, "-m", "modserve", "--log-level", "warning", "bench", "serve",
                  "--base-url", modserve_url, "--baseline-url", vllm_url, "--names", "modserve", "vllm",
-                 "--tokenizer", args.model, *bench_args]
-        print("+ " + " ".join(bench), flush=True)
-        return subprocess.run(bench).returncode
+                 "--tokenizer", args.model]
+        code = 0
+        for rate_args in ([["--request-rate", str(r)] for r in args.request_rates] or [[]]):
+            command = [*bench, *per_rate(bench_args, rate_args), *rate_args]
+            print("+ " + " ".join(command), flush=True)
+            code = code or subprocess.run(command).returncode
+        return code
+
+
+def per_rate(bench_args: list[str], rate_args: list[str]) -> list[str]:
+    """``bench_args`` for one rate of a sweep: its --plot path named by the rate."""
+    if not rate_args or "--plot" not in bench_args:
+        return bench_args
+    out = list(bench_args)
+    i = out.index("--plot") + 1
+    plot = Path(out[i])
+    out[i] = str(plot.with_name(f"{plot.stem}-rate{rate_args[1]}{plot.suffix}"))
+    return out
 
 
 if __name__ == "__main__":
