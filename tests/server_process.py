@@ -86,7 +86,7 @@ def dump_stacks(server: Server) -> None:
                 time.sleep(0.5)  # one at a time: they write to the same log
 
 
-def launch_healthy(tmp: Path, name: str, *flags: str, timeout: float = 90,
+def launch_healthy(tmp: Path, name: str, *flags: str, timeout: float = 120,
                    env: dict[str, str] | None = None) -> Server:
     """``launch`` then ``wait_healthy``; a server that does not come up is stopped."""
     server = launch(tmp, name, *flags, env=env)

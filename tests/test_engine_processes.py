@@ -20,11 +20,15 @@ from __future__ import annotations
 import os
 import re
 import signal
+import subprocess
+import sys
+import threading
 import time
 
 import httpx
 import openai
 import pytest
+import zmq
 
 from modserve import LLM, SamplingParams
 from processes import alive, descendants, wait_until
@@ -189,3 +193,53 @@ def test_vllms_process_flags_one_rank_alone_and_the_engine_in_the_server(llama_d
         finally:
             stop(server)
     assert "engine core 1 (pid" in (tmp_path / "rank1.log").read_text()  # named by its data-parallel rank
+
+
+def idle_launch(tmp_path, *command: str):
+    """A CoreLaunch whose 'core' is ``command`` (no engine) and the address of its inbox."""
+    from modserve.server.engine_process import CoreLaunch
+
+    context = zmq.Context()
+    inbox, outbox, beats = context.socket(zmq.PUSH), context.socket(zmq.PULL), context.socket(zmq.PULL)
+    for name, sock in (("inbox", inbox), ("outbox", outbox), ("beats", beats)):
+        sock.bind(f"ipc://{tmp_path}/{name}")
+    proc = subprocess.Popen([sys.executable, "-c", *command], start_new_session=True)
+    return CoreLaunch(0, proc, context, inbox, outbox, beats, str(tmp_path / "run")), f"ipc://{tmp_path}/inbox"
+
+
+def test_start_reaches_a_core_whose_inbox_connects_after_its_hello(tmp_path):
+    """The core's Hello comes on the outbox, its own connection: Start must wait for the inbox's."""
+    from modserve.engine import core_protocol as p
+
+    launch, inbox = idle_launch(tmp_path, "import time; time.sleep(60)")
+    received: list = []
+
+    def late_core() -> None:
+        time.sleep(0.5)
+        sock = launch.context.socket(zmq.PULL)
+        sock.connect(inbox)
+        if sock.poll(5000):
+            received.append(p.decode_to_core(sock.recv()))
+        sock.close(linger=0)
+
+    reader = threading.Thread(target=late_core)
+    reader.start()
+    try:
+        launch.start()
+    finally:
+        reader.join()
+        launch.kill()
+        launch.close()
+    assert [type(m) for m in received] == [p.Start]
+
+
+def test_start_fails_when_the_core_ends_before_it_connects(tmp_path):
+    from modserve.server.engine_process import EngineStartError
+
+    launch, _ = idle_launch(tmp_path, "raise SystemExit(3)")
+    try:
+        with pytest.raises(EngineStartError, match="exited with code 3 while connecting"):
+            launch.start()
+    finally:
+        launch.kill()
+        launch.close()

@@ -85,16 +85,28 @@ class CoreLaunch:
         code = self.proc.poll()
         return None if code is None else getattr(self.proc, "how_ended", "") or f"exited with code {code}"
 
-    def wait_for(self, kinds: tuple[type, ...], what: str) -> Any:
-        """The next message on the outbox (one of ``kinds``, or Failed raised), while the process lives."""
+    def _while_alive(self, done: Callable[[], bool], what: str) -> None:
+        """Call ``done`` (which polls a socket) until it is true, while the process lives."""
         started = last_log = time.monotonic()
-        while not self.outbox.poll(READ_POLL_MS):
+        while not done():
             if (ended := self.ended()) is not None:
                 raise EngineStartError(f"engine core {self.dp_rank} (pid {self.proc.pid}) {ended} "
                                        f"while {what} (its log above says why)")
             if time.monotonic() - last_log > BUILD_LOG_EVERY_S:
                 last_log = time.monotonic()
                 logger.info("engine core %d: still %s (%.0f s)", self.dp_rank, what, last_log - started)
+
+    def start(self) -> None:
+        """Tell the core to build its engine, once its inbox connection is up here."""
+        # NOTE: the core's Hello comes on the outbox, a connection of its own: the inbox's may not be
+        # attached on this side yet, and a PUSH without a peer drops a NOBLOCK send (`send`).
+        self._while_alive(lambda: bool(self.inbox.poll(READ_POLL_MS, zmq.POLLOUT)), "connecting")
+        logger.info("engine core %d (pid %d): building the engine", self.dp_rank, self.proc.pid)
+        self.send(p.Start())
+
+    def wait_for(self, kinds: tuple[type, ...], what: str) -> Any:
+        """The next message on the outbox (one of ``kinds``, or Failed raised), while the process lives."""
+        self._while_alive(lambda: bool(self.outbox.poll(READ_POLL_MS)), what)
         message = p.decode_from_core(self.outbox.recv())
         if isinstance(message, p.Failed):
             raise EngineStartError(f"engine core {self.dp_rank} failed to build its engine: {message.error}")
@@ -180,10 +192,10 @@ def start_engine_processes(configs: list[EngineConfig], observer: RequestObserve
                 launch.proc.pid = hello.pid  # its own machine's
         # This machine's cores build one after the other; other machines' (their own memory) at once.
         for launch in launches[:min(1, num_local)] + launches[num_local:]:
-            _start(launch)
+            launch.start()
         for i, (config, launch) in enumerate(zip(configs, launches)):
             if 0 < i < num_local:
-                _start(launch)
+                launch.start()
             ready = launch.wait_for((p.Ready,), "building its engine")
             prefix = f"r{launch.dp_rank}-" if len(configs) > 1 else ""
             engines.append(EngineProcess(config, launch, ready, observer, prefix))
@@ -194,10 +206,6 @@ def start_engine_processes(configs: list[EngineConfig], observer: RequestObserve
         raise
     return engines
 
-
-def _start(launch: CoreLaunch) -> None:
-    logger.info("engine core %d (pid %d): building the engine", launch.dp_rank, launch.proc.pid)
-    launch.send(p.Start())
 
 
 class EngineProcess(EngineFrontend):
