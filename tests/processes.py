@@ -37,6 +37,12 @@ def descendants(root: int) -> dict[int, str]:
     return found
 
 
+def semaphores() -> set[str]:
+    """The named POSIX semaphores multiprocessing made (``/dev/shm/sem.mp-*``): a process that
+    dies with one unremoved leaves it there until the machine restarts."""
+    return {name for name in os.listdir("/dev/shm") if name.startswith("sem.mp-")}
+
+
 def wait_until(condition, timeout: float = 20.0) -> bool:
     deadline = time.monotonic() + timeout
     while not condition():

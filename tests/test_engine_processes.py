@@ -31,7 +31,7 @@ import pytest
 import zmq
 
 from modserve import LLM, SamplingParams
-from processes import alive, descendants, wait_until
+from processes import alive, descendants, semaphores, wait_until
 from server_process import Server, launch_healthy, stop
 
 MODEL = "tiny"
@@ -137,6 +137,7 @@ def test_a_stopped_engine_core_is_declared_dead_within_the_step_deadline(llama_d
 
 
 def test_a_hung_tp_worker_turns_health_503_and_metrics_still_answer(llama_dir, tmp_path):
+    before = semaphores()
     server = start(tmp_path, "hung-worker", llama_dir, *FLAGS, "-tp", "2", "--step-timeout", str(STEP_TIMEOUT),
                    "--no-exit-on-engine-death")
     try:
@@ -160,6 +161,7 @@ def test_a_hung_tp_worker_turns_health_503_and_metrics_still_answer(llama_dir, t
         assert r.status_code == 200 and took < 1.0
         assert stop(server) == 0  # stayed up until told to stop
         assert_all_gone(tree)
+        assert not semaphores() - before  # the killed core's group took its resource tracker along
     finally:
         stop(server)
 

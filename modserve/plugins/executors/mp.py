@@ -27,6 +27,7 @@ import threading
 import time
 
 from pydantic import BaseModel, ConfigDict, Field
+from tqdm import tqdm
 
 from modserve.api import Executor, WorkerSpec, run_worker
 
@@ -110,6 +111,11 @@ def describe_exit(code: int) -> str:
 def worker_main(spec: WorkerSpec, driver_pid: int) -> None:
     """A spawned worker's life: :func:`run_worker`, watched, ignoring the terminal's Ctrl-C."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # NOTE: tqdm's default lock holds a multiprocessing lock, in a spawned process a named
+    # semaphore in /dev/shm that only the resource tracker removes (this process ends in
+    # os._exit); a killed process group (a hung core's) takes the tracker with it, and the
+    # semaphore stays. A worker draws no bar beside another process.
+    tqdm.set_lock(threading.RLock())
     threading.Thread(target=_watch_parent, args=(driver_pid,), name="modserve-watchdog", daemon=True).start()
     run_worker(spec)
     # Told to stop and out of the group: wait for the threads the interpreter would wait for
