@@ -83,7 +83,7 @@ class OverlappedSteps:
         eng = self.engine
         touched, stops, num_read = eng.outputs.process(pending, eng.requests, now)
         eng.counters["generation_tokens"] += num_read
-        return {req.request_id: eng.outputs.output(req, now) for req in touched}, stops, now
+        return {req.request_id: eng.outputs.shown(req, now) for req in touched}, stops, now
 
     def _settle(self, shown: dict[str, RequestOutput], stops: list[StopString], now: float) -> list[RequestOutput]:
         """With the forward done: end the sequences at their stop strings (dropping what they

@@ -379,7 +379,7 @@ class LLMEngine:
         for req in touched:
             if req.finished:
                 del self.requests[req.request_id]
-        return [self.outputs.output(req, now) for req in touched]
+        return [self.outputs.shown(req, now) for req in touched]
 
     # -- introspection -------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:

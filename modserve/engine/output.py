@@ -96,6 +96,10 @@ class TokenReader:
         """What changed of ``req`` since its last output; ``now``: when its step's tokens were read."""
         return collect(req, now)
 
+    def shown(self, req: Request, now: float) -> CoreOutput | RequestOutput:
+        """``req``'s output for a step ``process`` has just read: here, ``output``'s."""
+        return collect(req, now)
+
 
 class InProcessOutputs(TokenReader):
     """An engine stepping in this process (``LLM``, the server's engine thread): the output
@@ -121,6 +125,11 @@ class InProcessOutputs(TokenReader):
     def output(self, req: Request, now: float | None = None) -> RequestOutput:
         """The request as its user sees it now; ``now`` marks a finished one's end."""
         self.processor.update(req.user, collect(req, now))  # type: ignore[arg-type]
+        return self.processor.output(req.user)  # type: ignore[arg-type]
+
+    def shown(self, req: Request, now: float) -> RequestOutput:
+        """``req``'s output for a step ``process`` has just read: nothing is left to read (a stop
+        string the processor found ended its sample there already), so no second read."""
         return self.processor.output(req.user)  # type: ignore[arg-type]
 
 
