@@ -142,7 +142,10 @@ def _ray_start(num_cpus: int) -> tuple[subprocess.Popen, str]:
            "--include-dashboard=false", f"--port={gcs}", f"--dashboard-agent-listen-port={listen}",
            f"--dashboard-agent-grpc-port={grpc}", f"--runtime-env-agent-port={runtime_env}",
            f"--metrics-export-port={metrics}"] + ([f"--num-cpus={num_cpus}"] if num_cpus else [])
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    # NOTE: ray start drains its node on SIGTERM (for a Serve deployment's proxies) until the
+    # raylet goes; this cluster serves one server, which has stopped by then: nothing to drain.
+    env = {"RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0", **os.environ}
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     threading.Thread(target=_tell_the_raylet, args=(proc.pid, listen), daemon=True).start()
     for line in proc.stdout:  # type: ignore[union-attr]
         sys.stderr.write(line)
