@@ -134,7 +134,7 @@ def plot(args: argparse.Namespace, summary: dict, modes: dict, cpu: str) -> None
     ax.set_ylabel("decode tok/s")
     ax.legend(loc="lower right")
     name = args.model.rstrip("/").rsplit("/", 1)[-1]
-    ax.set_title(f"PP=2 decode, {args.input_len} in / {args.output_len} out: {name}\n{cpu} (loaded machine)",
+    ax.set_title(f"PP=2 decode, {args.input_len} in / {args.output_len} out: {name}\n{cpu}, {time.strftime('%Y-%m-%d')}",
                  fontsize=9)
     fig.tight_layout()
     fig.savefig(args.plot, dpi=120)
