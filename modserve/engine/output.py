@@ -96,9 +96,7 @@ class TokenReader:
         """What changed of ``req`` since its last output; ``now``: when its step's tokens were read."""
         return collect(req, now)
 
-    def shown(self, req: Request, now: float) -> CoreOutput | RequestOutput:
-        """``req``'s output for a step ``process`` has just read: here, ``output``'s."""
-        return collect(req, now)
+    shown = output  # ``req``'s output for a step ``process`` has just read: here, the same
 
 
 class InProcessOutputs(TokenReader):
@@ -128,8 +126,7 @@ class InProcessOutputs(TokenReader):
         return self.processor.output(req.user)  # type: ignore[arg-type]
 
     def shown(self, req: Request, now: float) -> RequestOutput:
-        """``req``'s output for a step ``process`` has just read: nothing is left to read (a stop
-        string the processor found ended its sample there already), so no second read."""
+        """``process`` read the step already (a stop string in it ended its sample there): no second read."""
         return self.processor.output(req.user)  # type: ignore[arg-type]
 
 
