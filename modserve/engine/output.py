@@ -125,7 +125,7 @@ class InProcessOutputs(TokenReader):
         self.processor.update(req.user, collect(req, now))  # type: ignore[arg-type]
         return self.processor.output(req.user)  # type: ignore[arg-type]
 
-    def shown(self, req: Request, now: float) -> RequestOutput:
+    def shown(self, req: Request, now: float | None = None) -> RequestOutput:
         """``process`` read the step already (a stop string in it ended its sample there): no second read."""
         return self.processor.output(req.user)  # type: ignore[arg-type]
 
