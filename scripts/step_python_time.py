@@ -10,6 +10,10 @@ outside the forward" is the whole step less the forward. Run with ``OMP_NUM_THRE
 that the forward's work is on the timed thread too.
 
     OMP_NUM_THREADS=1 .venv/bin/python scripts/step_python_time.py --preset tiny small --batch-sizes 1 16 64
+
+With ``--replay MIB`` each decode step replays the logits of the first one of its size after
+reading MIB MiB: the same Python with the caches as warm (0) or as cold (beyond the last-level
+cache) as that leaves them, where a real forward leaves them as cold as the weights it reads.
 """
 
 from __future__ import annotations
@@ -85,6 +89,28 @@ def from_scratch(runner) -> Callable:
     return prepare
 
 
+def replay_forward(runner, mib: int) -> None:
+    """The forward replaced by its first call's result, after a read of ``mib`` MiB (0: none):
+    the step's Python with the caches as warm as a forward that touches that much leaves them.
+    The tokens repeat; only the Python's time is of interest."""
+    import numpy as np
+
+    from modserve.runner.messages import RunModel
+
+    forward, first = runner.on_every_rank, {}  # decode rows -> that step's logits
+    swept = np.ones(mib << 17)  # float64: mib MiB
+
+    def replayed(message):
+        if not isinstance(message, RunModel) or message.meta.max_query_len > 1:  # prefills run
+            return forward(message)
+        if message.meta.num_tokens not in first:
+            first[message.meta.num_tokens] = forward(message)
+        swept.sum()
+        return first[message.meta.num_tokens]
+
+    runner.on_every_rank = replayed
+
+
 def measure(engine, n: int, steps: int, rounds: int, variants: list[str]) -> dict[str, dict[str, float]]:
     """Per variant, microseconds per decode step of ``n`` sequences, by phase: the median over
     ``rounds`` rounds (the variants' rounds interleaved) of each phase's mean over ``steps`` steps."""
@@ -126,6 +152,9 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--before", action="store_true",
                     help="also the step's tensors built from scratch (build_batch), rounds interleaved")
+    ap.add_argument("--replay", type=int, metavar="MIB",
+                    help="replace the forward by its first step's logits after a read of MIB MiB (0: none): "
+                         "the Python with the caches as warm as that leaves them")
     ap.add_argument("--json", help="write {model: {sequences: {variant: {phase: us}}}} here")
     args = ap.parse_args()
     from modserve import LLM
@@ -137,7 +166,11 @@ def main() -> int:
     for model in models:
         engine = LLM(model, progress=False, max_num_seqs=max(args.batch_sizes)).engine
         name = model.rstrip("/").rsplit("/", 1)[-1]
-        print(f"\n{name}: us of thread CPU time per decode step (median of {args.rounds} rounds x {args.steps})")
+        if args.replay is not None:
+            replay_forward(engine.runner, args.replay)
+        forward = "" if args.replay is None else f"; the forward replayed after a read of {args.replay} MiB"
+        print(f"\n{name}: us of thread CPU time per decode step (median of {args.rounds} rounds x {args.steps}"
+              f"{forward})")
         print("| sequences | step tensors | Python outside forward | " + " | ".join(PHASES) + " | whole step |")
         print("|---" * (len(PHASES) + 4) + "|")
         for n in args.batch_sizes:
