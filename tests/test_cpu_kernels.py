@@ -118,3 +118,19 @@ def test_panel_linear_names_what_is_wrong(x, panels, n, message):
 def test_bf16_linear_names_what_is_wrong(x, w, message):
     with pytest.raises(RuntimeError, match=message):
         torch.ops.modserve_cpu.bf16_linear(x, w, None)
+
+
+def test_two_checkouts_of_a_kernel_build_in_folders_of_their_own(tmp_path):
+    """ninja's build file names the source by its path: checkouts sharing a folder would rebuild
+    each other's library on every switch (an A/B of two worktrees rebuilt at each start)."""
+    from modserve.api.cpp import build_directory
+
+    first, second = tmp_path / "a" / "kernel.cpp", tmp_path / "b" / "kernel.cpp"
+    for source in (first, second):
+        source.parent.mkdir()
+        source.write_text("int answer() { return 42; }\n")
+    folder = build_directory("kernel", str(first))
+    assert build_directory("kernel", str(second)) != folder
+    assert build_directory("kernel", str(tmp_path / "b" / ".." / "a" / "kernel.cpp")) == folder  # the same file
+    first.write_text("int answer() { return 43; }\n")
+    assert build_directory("kernel", str(first)) != folder  # a changed source never loads a stale library

@@ -13,8 +13,8 @@ on one thread. ``csrc/`` here is on every kernel's include path, so any kernel m
 ``row_passes.h`` (the few-row kernels' passes over a weight matrix).
 
 Each build lives in its own folder under ``$MODSERVE_CACHE`` (default
-``~/.cache/modserve``)``/kernels``, named by a hash of the source, the headers, the flags,
-torch's version, the interpreter and the CPU's model and flags: two checkouts or venvs
+``~/.cache/modserve``)``/kernels``, named by a hash of the source's path and text, the
+headers, the flags, torch's version, the interpreter and the CPU's model and flags: two checkouts or venvs
 never rebuild each other's kernels, a changed source never loads a stale library, and a
 cache carried to another CPU (a disk image, a home directory on shared storage) never
 loads code built for instructions this one lacks.
@@ -53,12 +53,14 @@ def cpu_identity() -> bytes:
 
 
 def build_directory(name: str, source: str) -> Path:
-    """The cache folder of this exact build: same source, headers, flags, torch, Python and CPU."""
+    """The cache folder of this exact build: same source file (path and text), headers, flags,
+    torch, Python and CPU. The path counts because ninja's build file names the source by it:
+    two checkouts sharing one folder would each rebuild the other's library on every switch."""
     import torch
 
     digest = hashlib.sha256()
     code = Path(source).read_bytes() if Path(source).is_file() else source.encode()  # missing: the build says so
-    for part in (code, *(h.read_bytes() for h in sorted(INCLUDE.glob("*.h"))),
+    for part in (code, str(Path(source).resolve()).encode(), *(h.read_bytes() for h in sorted(INCLUDE.glob("*.h"))),
                  " ".join(CFLAGS + LDFLAGS).encode(), torch.__version__.encode(), sys.executable.encode(),
                  sys.version.encode(), cpu_identity()):
         digest.update(part)
