@@ -1,8 +1,8 @@
 """EngineProcess: the server's client of one engine-core process (modserve/engine/core_process.py).
 
 ``start_engine_processes(config)`` starts one core per data-parallel rank, all at once (their
-imports overlap), then lets them build one after the other (each sizes its KV cache on the
-memory the ones before left). Each core gets three ZMQ sockets, bound here in a private
+imports overlap), loads the front end's tokenizers meanwhile, then lets the cores build one
+after the other (each sizes its KV cache on the memory the ones before left). Each core gets three ZMQ sockets, bound here in a private
 directory: ``inbox`` (commands, PUSH), ``outbox`` (outputs, PULL), ``beats`` (heartbeats, PULL).
 
 NOTE: a reader thread owns the outbox and beats sockets: it decodes each step's outputs off the
@@ -184,6 +184,9 @@ def start_engine_processes(configs: list[EngineConfig], observer: RequestObserve
     launches = [launch_core(c, i) for i, c in enumerate(configs[:num_local], first_rank)]
     engines: list[EngineProcess] = []
     try:
+        # The output processors' tokenizers load here while the cores import and build: this
+        # thread only waits for them until Ready.
+        outputs = [OutputProcessor(Tokenizer(c.tokenizer or c.model, c.model)) for c in configs]
         if remote is not None:
             launches += remote.join(range(first_rank + num_local, first_rank + len(configs)))
         for launch in launches:
@@ -198,7 +201,7 @@ def start_engine_processes(configs: list[EngineConfig], observer: RequestObserve
                 launch.start()
             ready = launch.wait_for((p.Ready,), "building its engine")
             prefix = f"r{launch.dp_rank}-" if len(configs) > 1 else ""
-            engines.append(EngineProcess(config, launch, ready, observer, prefix))
+            engines.append(EngineProcess(config, launch, ready, outputs[i], observer, prefix))
     except BaseException:
         for launch in launches:
             launch.kill()
@@ -211,14 +214,14 @@ def start_engine_processes(configs: list[EngineConfig], observer: RequestObserve
 class EngineProcess(EngineFrontend):
     """The client of one Ready engine-core process (see the module's docstring)."""
 
-    def __init__(self, config: EngineConfig, launch: CoreLaunch, ready: p.Ready,
+    def __init__(self, config: EngineConfig, launch: CoreLaunch, ready: p.Ready, outputs: OutputProcessor,
                  observer: RequestObserver | None = None, id_prefix: str = "") -> None:
         super().__init__(config, p.unpack(ready.limits), ready.num_kv_blocks, observer, id_prefix)
         self.launch = launch
         self.pid = launch.proc.pid
         self.step_timeout = config.step_timeout
         # The requests' user side, added on the loop and read on the reader thread (vLLM's front end's).
-        self._outputs = OutputProcessor(Tokenizer(config.tokenizer or config.model, config.model))
+        self._outputs = outputs
         self._aborted: deque[str] = deque()  # (loop -> reader) requests for the output processor to forget
         self._compiles: dict[int, Future] = {}  # grammar compiles awaiting their answer
         self._calls: dict[int, Future] = {}  # utility calls awaiting theirs
