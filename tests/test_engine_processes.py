@@ -245,3 +245,34 @@ def test_start_fails_when_the_core_ends_before_it_connects(tmp_path):
     finally:
         launch.kill()
         launch.close()
+
+
+def test_the_front_ends_tokenizer_loads_while_the_core_builds(llama_dir, monkeypatch):
+    """The output processor's tokenizer (transformers' first import in the server) loads before
+    the server waits for Ready, not after it: a server start waits for the slower of the two."""
+    from modserve.core.config import EngineConfig
+    from modserve.server import engine_process
+    from modserve.server.engine_process import CoreLaunch, start_engine_processes
+
+    events: list[str] = []
+    tokenizer, wait_for = engine_process.Tokenizer, CoreLaunch.wait_for
+    monkeypatch.setattr(engine_process, "Tokenizer", lambda *a: events.append("tokenizer") or tokenizer(*a))
+    monkeypatch.setattr(CoreLaunch, "wait_for",
+                        lambda self, kinds, what: events.append(kinds[0].__name__) or wait_for(self, kinds, what))
+    (engine,) = start_engine_processes([EngineConfig(model=llama_dir, num_kv_blocks=64, max_model_len=256)])
+    try:
+        assert events == ["tokenizer", "Hello", "Ready"]
+    finally:
+        engine.shutdown_engine()
+    assert not alive(engine.pid)
+
+
+def test_a_tokenizer_that_does_not_load_fails_the_start_and_ends_the_core(llama_dir, tmp_path):
+    from modserve.core.config import EngineConfig
+    from modserve.server.engine_process import start_engine_processes
+
+    before = set(descendants(os.getpid()))
+    with pytest.raises(ValueError, match="tokenizer"):  # an empty folder: transformers' own error
+        start_engine_processes([EngineConfig(model=llama_dir, tokenizer=str(tmp_path), num_kv_blocks=64,
+                                             max_model_len=256)])
+    assert set(descendants(os.getpid())) <= before  # the core started before the tokenizer was read: killed
