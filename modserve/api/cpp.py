@@ -14,10 +14,10 @@ on one thread. ``csrc/`` here is on every kernel's include path, so any kernel m
 
 Each build lives in its own folder under ``$MODSERVE_CACHE`` (default
 ``~/.cache/modserve``)``/kernels``, named by a hash of the source's path and text, the
-headers, the flags, torch's version, the interpreter and the CPU's model and flags: two checkouts or venvs
-never rebuild each other's kernels, a changed source never loads a stale library, and a
-cache carried to another CPU (a disk image, a home directory on shared storage) never
-loads code built for instructions this one lacks.
+headers, the flags, torch's version, the interpreter and the CPU's model and flags: two
+checkouts or venvs never rebuild each other's kernels, a changed source never loads a stale
+library, and a cache carried to another CPU (a disk image, a home directory on shared
+storage) never loads code built for instructions this one lacks.
 """
 
 from __future__ import annotations

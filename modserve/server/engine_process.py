@@ -2,8 +2,9 @@
 
 ``start_engine_processes(config)`` starts one core per data-parallel rank, all at once (their
 imports overlap), loads the front end's tokenizers meanwhile, then lets the cores build one
-after the other (each sizes its KV cache on the memory the ones before left). Each core gets three ZMQ sockets, bound here in a private
-directory: ``inbox`` (commands, PUSH), ``outbox`` (outputs, PULL), ``beats`` (heartbeats, PULL).
+after the other (each sizes its KV cache on the memory the ones before left). Each core gets
+three ZMQ sockets, bound here in a private directory: ``inbox`` (commands, PUSH), ``outbox``
+(outputs, PULL), ``beats`` (heartbeats, PULL).
 
 NOTE: a reader thread owns the outbox and beats sockets: it decodes each step's outputs off the
 event loop, turns their token ids into text (the output processor: detokenization, stop
