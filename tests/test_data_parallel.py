@@ -31,7 +31,8 @@ from modserve.engine.engine import LLMEngine
 from modserve.core.sampling_params import SamplingParams
 from modserve.server.async_engine import EngineDead
 from modserve.api import block_keys
-from modserve.server.replicas import ReplicaSet, Router, SplitStream, build_engines, replica_config
+from modserve.server.rank_configs import replica_config
+from modserve.server.replicas import ReplicaSet, Router, SplitStream, build_engines
 
 MODEL = "tiny-dp"
 BLOCK = 16

@@ -199,7 +199,7 @@ def test_vllms_process_flags_one_rank_alone_and_the_engine_in_the_server(llama_d
 
 def idle_launch(tmp_path, *command: str):
     """A CoreLaunch whose 'core' is ``command`` (no engine) and the address of its inbox."""
-    from modserve.server.engine_process import CoreLaunch
+    from modserve.server.core_launch import CoreLaunch
 
     context = zmq.Context()
     inbox, outbox, beats = context.socket(zmq.PUSH), context.socket(zmq.PULL), context.socket(zmq.PULL)
@@ -236,7 +236,7 @@ def test_start_reaches_a_core_whose_inbox_connects_after_its_hello(tmp_path):
 
 
 def test_start_fails_when_the_core_ends_before_it_connects(tmp_path):
-    from modserve.server.engine_process import EngineStartError
+    from modserve.server.core_launch import EngineStartError
 
     launch, _ = idle_launch(tmp_path, "raise SystemExit(3)")
     try:
@@ -247,12 +247,59 @@ def test_start_fails_when_the_core_ends_before_it_connects(tmp_path):
         launch.close()
 
 
+def test_a_core_imports_its_engine_before_start_and_reports_a_failed_import_after_it(llama_dir, tmp_path,
+                                                                                   monkeypatch):
+    """The engine's imports run between Hello and Start (while the server still imports its own);
+    one that fails is still the Failed answer to Start, naming the import's error."""
+    from modserve.core.config import EngineConfig
+    from modserve.engine import core_protocol as p
+    from modserve.server.core_launch import EngineStartError, launch_core
+
+    shadow = tmp_path / "shadow" / "transformers"
+    shadow.mkdir(parents=True)
+    marker = tmp_path / "imported"
+    (shadow / "__init__.py").write_text(f"open({str(marker)!r}, 'a').write('x')\n"
+                                        "raise ImportError('planted: transformers will not import')\n")
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(shadow.parent), os.environ.get("PYTHONPATH", "")]))
+    launch = launch_core(EngineConfig(model=llama_dir, num_kv_blocks=64, max_model_len=256), 0)
+    try:
+        launch.wait_for((p.Hello,), "starting")
+        assert wait_until(marker.exists, timeout=60)  # no Start sent yet
+        launch.start()
+        with pytest.raises(EngineStartError, match="planted: transformers will not import"):
+            launch.wait_for((p.Ready,), "building its engine")
+        assert marker.read_text() == "xx"  # tried before Start, and again by the build
+    finally:
+        launch.kill()
+        launch.close()
+
+
+def test_serve_starts_its_engine_core_before_importing_torch(llama_dir):
+    """``modserve serve`` spawns its cores before torch, transformers and the app import, so the
+    cores' imports and the server's run at once."""
+    code = f"""
+import sys
+from modserve.server import core_launch
+
+def launch_cores(configs, first_rank=0):
+    print("heavy at launch:", sorted(m for m in ("torch", "transformers", "modserve.server.app") if m in sys.modules))
+    raise SystemExit(0)
+
+core_launch.launch_cores = launch_cores
+from modserve.cli import main
+main(["serve", {llama_dir!r}, "--num-kv-blocks", "64"])
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert "heavy at launch: []" in out.stdout, out.stdout + out.stderr
+
+
 def test_the_front_ends_tokenizer_loads_while_the_core_builds(llama_dir, monkeypatch):
     """The output processor's tokenizer (transformers' first import in the server) loads before
     the server waits for Ready, not after it: a server start waits for the slower of the two."""
     from modserve.core.config import EngineConfig
     from modserve.server import engine_process
-    from modserve.server.engine_process import CoreLaunch, start_engine_processes
+    from modserve.server.core_launch import CoreLaunch
+    from modserve.server.engine_process import start_engine_processes
 
     events: list[str] = []
     tokenizer, wait_for = engine_process.Tokenizer, CoreLaunch.wait_for

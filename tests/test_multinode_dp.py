@@ -28,7 +28,7 @@ from modserve import LLM, SamplingParams
 from modserve.core.config import EngineConfig
 from modserve.engine import core_handshake as h
 from modserve.engine.core_protocol import PROTOCOL_VERSION
-from modserve.server.engine_process import EngineStartError
+from modserve.server.core_launch import EngineStartError
 from modserve.server.remote_cores import await_remote_cores, bind_remote_core
 from netns import two_hosts
 from processes import wait_until

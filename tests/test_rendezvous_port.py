@@ -8,7 +8,7 @@ import socket
 from modserve.cli import build_parser
 from modserve.core.config import EngineConfig
 from modserve.runner.ranks import rendezvous_port
-from modserve.server.replicas import replica_configs
+from modserve.server.rank_configs import replica_configs
 from server_process import free_port
 
 

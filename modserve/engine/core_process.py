@@ -2,12 +2,13 @@
 in a process of its own, fed by an API server over ZMQ (messages in core_protocol.py).
 
 Started by the server (``modserve.server.engine_process``) as ``python -m
-modserve.engine.core_process`` with its launch spec as JSON on stdin. It says Hello, waits
-for Start, builds the engine, says Ready, then loops: apply what came in, step, send what
-came out: token ids, never text (the API server detokenizes them, finds the stop strings, and
-says where one ended a sequence: StopSequence). A thread of its own sends a Heartbeat every
-HEARTBEAT_S with how long the running step has run and the stats last read between steps, so
-the server can tell a busy engine from a hung or stopped one without ever waiting on it.
+modserve.engine.core_process`` with its launch spec as JSON on stdin. It says Hello, imports
+the engine's modules, waits for Start, builds the engine, says Ready, then loops: apply what
+came in, step, send what came out: token ids, never text (the API server detokenizes them,
+finds the stop strings, and says where one ended a sequence: StopSequence). A thread of its
+own sends a Heartbeat every HEARTBEAT_S with how long the running step has run and the stats
+last read between steps, so the server can tell a busy engine from a hung or stopped one
+without ever waiting on it.
 
 NOTE: the process dies with its server: PR_SET_PDEATHSIG sends it SIGKILL when the server
 goes (kill -9 included), and its workers' watchdogs end them once their parent is gone.
@@ -15,6 +16,7 @@ goes (kill -9 included), and its workers' watchdogs end them once their parent i
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import faulthandler
 import logging
@@ -246,6 +248,11 @@ def run_core(spec: LaunchSpec) -> int:
         sock.setsockopt(zmq.LINGER, 2000)  # a last message (Dead, Failed) still goes out
         sock.connect(address)
     outbox.send(p.encode(p.Hello(os.getpid())))
+    # The engine's modules (torch, transformers) import now, while the server finishes its own start
+    # and the cores before this one build. One that fails is imported again by _build, after Start,
+    # which reports it as Failed.
+    with contextlib.suppress(Exception):
+        import modserve.engine.engine  # noqa: F401
     if not isinstance(p.decode_to_core(inbox.recv()), p.Start):
         return 1
     try:

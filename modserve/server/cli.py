@@ -49,11 +49,11 @@ def stacks_on_sigusr1() -> None:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    # NOTE: torch, transformers and the app are imported only once the engine cores are started
+    # (engine_client): the cores' imports and this process's then run at once.
     from modserve.cli import config_from_args
     from modserve.generation_defaults import GenerationDefaults
-    from modserve.server.app import create_app
     from modserve.server.demo import use_demo_model
-    from modserve.server.run import run
 
     stacks_on_sigusr1()
     if not args.config and args.cfg_model is None and args.model_tag is None:
@@ -80,6 +80,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     defaults = GenerationDefaults.of(config)  # read before the model loads: a bad file fails at once
     engine = engine_client(config, args)
     try:
+        from modserve.server.app import create_app
+        from modserve.server.run import run
+
         app = create_app(engine, api_key=api_key, generation_defaults=defaults)
         access_log = not getattr(args, "vllm_disable_uvicorn_access_log", None)
         return run(app, host, port, args.log_level, api_key, config, access_log=access_log)
@@ -96,11 +99,9 @@ def engine_client(config: EngineConfig, args: argparse.Namespace) -> EngineClien
     """The engine(s) the server talks to: one engine-core process per data-parallel rank (each
     of tensor x pipeline parallel ranks), or, with vLLM's --disable-frontend-multiprocessing,
     engines stepping in threads of this process. --data-parallel-rank N serves that rank alone."""
-    from modserve.engine.engine import LLMEngine
-    from modserve.server.async_engine import AsyncEngine
-    from modserve.server.engine_process import start_engine_processes
+    from modserve.server.core_launch import launch_cores
+    from modserve.server.rank_configs import replica_configs
     from modserve.server.remote_cores import RemoteRanks
-    from modserve.server.replicas import ReplicaSet, replica_configs
 
     configs, first = replica_configs(config), 0
     rank = getattr(args, "vllm_data_parallel_rank", None)
@@ -128,6 +129,9 @@ def engine_client(config: EngineConfig, args: argparse.Namespace) -> EngineClien
 
         remote = RayRanks(config, getattr(args, "vllm_data_parallel_address", None), rpc_port)
     if getattr(args, "vllm_disable_frontend_multiprocessing", None):
+        from modserve.engine.engine import LLMEngine
+        from modserve.server.async_engine import AsyncEngine
+
         engines: list[Any] = []
         try:
             for i, c in enumerate(configs, first):  # one after the other: each sizes its KV cache on what is left
@@ -136,9 +140,20 @@ def engine_client(config: EngineConfig, args: argparse.Namespace) -> EngineClien
             for e in engines:
                 e.shutdown()
             raise
+        if len(engines) == 1:
+            return AsyncEngine(engines[0])
     else:
+        num_local = len(configs) if remote is None else remote.num_local
+        launched = launch_cores(configs[:num_local], first)
         try:
-            engines = start_engine_processes(configs, first_rank=first, remote=remote)
+            from modserve.server.engine_process import start_engine_processes
+        except BaseException:
+            for launch in launched:
+                launch.kill()
+                launch.close()
+            raise
+        try:  # from here start_engine_processes owns the launched cores (kills them if it fails)
+            engines = start_engine_processes(configs, first_rank=first, remote=remote, launched=launched)
         except BaseException:
             if config.data_parallel_backend == "ray":
                 from modserve.server.ray_cores import shutdown_all
@@ -146,8 +161,10 @@ def engine_client(config: EngineConfig, args: argparse.Namespace) -> EngineClien
                 shutdown_all()
             raise
     if len(engines) > 1:
+        from modserve.server.replicas import ReplicaSet
+
         return ReplicaSet(engines)
-    return engines[0] if not isinstance(engines[0], LLMEngine) else AsyncEngine(engines[0])
+    return engines[0]
 
 
 def dp_layout(args: argparse.Namespace, config: EngineConfig) -> tuple[int, int, str, int]:

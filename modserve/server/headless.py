@@ -23,9 +23,9 @@ from typing import Any
 from modserve.core.config import EngineConfig
 from modserve.engine.core_handshake import fingerprint
 from modserve.engine.core_process import LaunchSpec
-from modserve.server.engine_process import spawn_core
+from modserve.server.core_launch import spawn_core
 from modserve.server.remote_cores import ready_timeout
-from modserve.server.replicas import replica_config
+from modserve.server.rank_configs import replica_config
 
 logger = logging.getLogger("modserve.server")
 

@@ -26,9 +26,9 @@ import msgspec
 from modserve.core.config import EngineConfig
 from modserve.engine import core_handshake as h
 from modserve.engine.core_process import LaunchSpec
-from modserve.server.engine_process import CoreLaunch, EngineStartError
+from modserve.server.core_launch import CoreLaunch, EngineStartError
 from modserve.server.remote_cores import await_remote_cores, bind_remote_core, ready_timeout
-from modserve.server.replicas import replica_config
+from modserve.server.rank_configs import replica_config
 
 logger = logging.getLogger("modserve.server")
 

@@ -27,7 +27,7 @@ from zmq.utils.monitor import recv_monitor_message
 from modserve.core.config import EngineConfig
 from modserve.engine import core_handshake as h
 from modserve.engine.core_protocol import PROTOCOL_VERSION
-from modserve.server.engine_process import CoreLaunch, EngineStartError
+from modserve.server.core_launch import CoreLaunch, EngineStartError
 
 logger = logging.getLogger("modserve.server")
 
