@@ -111,12 +111,13 @@ def replay_forward(runner, mib: int) -> None:
     runner.on_every_rank = replayed
 
 
-def measure(engine, n: int, steps: int, rounds: int, variants: list[str]) -> dict[str, dict[str, float]]:
-    """Per variant, microseconds per decode step of ``n`` sequences, by phase: the median over
-    ``rounds`` rounds (the variants' rounds interleaved) of each phase's mean over ``steps`` steps."""
+def measure(engine, clock: PhaseClock, n: int, steps: int, rounds: int,
+            variants: list[str]) -> dict[str, dict[str, float]]:
+    """Per variant, microseconds per decode step of ``n`` sequences, by phase (``clock``, the
+    engine's instrument): the median over ``rounds`` rounds (the variants' rounds interleaved)
+    of each phase's mean over ``steps`` steps."""
     from modserve import SamplingParams
 
-    clock = instrument(engine)
     batch = engine.runner.input_batch
     prepares = {"input batch": batch.prepare, "build_batch": from_scratch(engine.runner)}
     params = SamplingParams(temperature=0.0, max_tokens=len(variants) * rounds * steps + 8, ignore_eos=True)
@@ -168,13 +169,14 @@ def main() -> int:
         name = model.rstrip("/").rsplit("/", 1)[-1]
         if args.replay is not None:
             replay_forward(engine.runner, args.replay)
+        clock = instrument(engine)  # once, around the replay: every batch size through the same wrappers
         forward = "" if args.replay is None else f"; the forward replayed after a read of {args.replay} MiB"
         print(f"\n{name}: us of thread CPU time per decode step (median of {args.rounds} rounds x {args.steps}"
               f"{forward})")
         print("| sequences | step tensors | Python outside forward | " + " | ".join(PHASES) + " | whole step |")
         print("|---" * (len(PHASES) + 4) + "|")
         for n in args.batch_sizes:
-            results.setdefault(name, {})[n] = got = measure(engine, n, args.steps, args.rounds, variants)
+            results.setdefault(name, {})[n] = got = measure(engine, clock, n, args.steps, args.rounds, variants)
             for variant, r in got.items():
                 print(f"| {n} | {variant} | **{r['python']:.0f}** | " + " | ".join(f"{r[p]:.0f}" for p in PHASES)
                       + f" | {r['step']:.0f} |", flush=True)

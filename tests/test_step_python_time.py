@@ -53,4 +53,3 @@ def test_the_script_times_each_phase_of_the_tiny_models_steps(tmp_path):
     for phases in by_size.values():
         got = phases["input batch"]
         assert got["python"] > 0 and got["forward + logits"] > 0 and got["step"] > got["python"]
-        assert abs(got["step"] - got["python"] - got["forward + logits"]) < 1e-6 * got["step"] + 1e-3
