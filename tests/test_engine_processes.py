@@ -274,6 +274,33 @@ def test_a_core_imports_its_engine_before_start_and_reports_a_failed_import_afte
         launch.close()
 
 
+def test_a_core_reads_its_checkpoints_config_before_start(llama_dir, tmp_path, monkeypatch):
+    """Before Start a core imports its engine and its checkpoint's config class (transformers'
+    model-loading modules come with it): a build after Start has neither left to import."""
+    from modserve.core.config import EngineConfig
+    from modserve.engine import core_protocol as p
+    from modserve.server.core_launch import launch_core
+
+    seen, hooks = tmp_path / "imported", tmp_path / "hooks"
+    hooks.mkdir()
+    wanted = ("modserve.engine.engine", "transformers.models.llama.configuration_llama")
+    (hooks / "sitecustomize.py").write_text(  # the core's modules, written down as they appear
+        "import sys, threading, time\n"
+        "def watch():\n"
+        f"    while not all(m in sys.modules for m in {wanted!r}):\n"
+        "        time.sleep(0.05)\n"
+        f"    open({str(seen)!r}, 'w').write('both')\n"
+        "threading.Thread(target=watch, daemon=True).start()\n")
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(hooks), os.environ.get("PYTHONPATH", "")]))
+    launch = launch_core(EngineConfig(model=llama_dir, num_kv_blocks=64, max_model_len=256), 0)
+    try:
+        launch.wait_for((p.Hello,), "starting")
+        assert wait_until(seen.exists, timeout=60)  # no Start sent
+    finally:
+        launch.kill()
+        launch.close()
+
+
 def test_serve_starts_its_engine_core_before_importing_torch(llama_dir):
     """``modserve serve`` spawns its cores before torch, transformers and the app import, so the
     cores' imports and the server's run at once."""

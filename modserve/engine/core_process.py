@@ -248,11 +248,14 @@ def run_core(spec: LaunchSpec) -> int:
         sock.setsockopt(zmq.LINGER, 2000)  # a last message (Dead, Failed) still goes out
         sock.connect(address)
     outbox.send(p.encode(p.Hello(os.getpid())))
-    # The engine's modules (torch, transformers) import now, while the server finishes its own start
-    # and the cores before this one build. One that fails is imported again by _build, after Start,
-    # which reports it as Failed.
+    # The engine's modules (torch, transformers) and the checkpoint's config class import now,
+    # while the server finishes its own start and the cores before this one build. What fails here
+    # fails again in _build, after Start, which reports it as Failed.
     with contextlib.suppress(Exception):
         import modserve.engine.engine  # noqa: F401
+        from modserve.runner.loader import load_hf_config
+
+        load_hf_config(msgspec.json.decode(spec.config_json)["model"])
     if not isinstance(p.decode_to_core(inbox.recv()), p.Start):
         return 1
     try:
