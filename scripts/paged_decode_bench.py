@@ -44,7 +44,7 @@ def main() -> int:
     import torch
 
     from modserve.api.cpp import load_kernel
-    from modserve.attention_backends.paged import DECODE_KERNEL
+    from modserve.attention_backends import DECODE_KERNEL
 
     assert load_kernel("modserve_paged_decode", str(DECODE_KERNEL)) is None
     if args.clock == "cpu" and torch.get_num_threads() != 1:

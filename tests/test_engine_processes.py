@@ -301,9 +301,12 @@ def test_a_core_reads_its_checkpoints_config_before_start(llama_dir, tmp_path, m
         launch.close()
 
 
-def test_serve_starts_its_engine_core_before_importing_torch(llama_dir):
+@pytest.mark.parametrize("model", ["llama", "demo"])
+def test_serve_starts_its_engine_core_before_importing_torch(llama_dir, model):
     """``modserve serve`` spawns its cores before torch, transformers and the app import, so the
-    cores' imports and the server's run at once."""
+    cores' imports and the server's run at once; the demo's start plan (which kernels are built)
+    imports none of them either."""
+    argv = ["serve", "--num-kv-blocks", "64"] + ([llama_dir] if model == "llama" else [])
     code = f"""
 import sys
 from modserve.server import core_launch
@@ -314,7 +317,7 @@ def launch_cores(configs, first_rank=0):
 
 core_launch.launch_cores = launch_cores
 from modserve.cli import main
-main(["serve", {llama_dir!r}, "--num-kv-blocks", "64"])
+main({argv!r})
 """
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert "heavy at launch: []" in out.stdout, out.stdout + out.stderr

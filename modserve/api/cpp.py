@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import importlib.metadata
 import logging
 import os
 import shutil
@@ -56,16 +57,25 @@ def build_directory(name: str, source: str) -> Path:
     """The cache folder of this exact build: same source file (path and text), headers, flags,
     torch, Python and CPU. The path counts because ninja's build file names the source by it:
     two checkouts sharing one folder would each rebuild the other's library on every switch."""
-    import torch
-
     digest = hashlib.sha256()
     code = Path(source).read_bytes() if Path(source).is_file() else source.encode()  # missing: the build says so
     for part in (code, str(Path(source).resolve()).encode(), *(h.read_bytes() for h in sorted(INCLUDE.glob("*.h"))),
-                 " ".join(CFLAGS + LDFLAGS).encode(), torch.__version__.encode(), sys.executable.encode(),
+                 " ".join(CFLAGS + LDFLAGS).encode(), torch_version().encode(), sys.executable.encode(),
                  sys.version.encode(), cpu_identity()):
         digest.update(part)
     root = Path(os.environ.get("MODSERVE_CACHE", Path.home() / ".cache" / "modserve"))
     return root / "kernels" / f"{name}-{digest.hexdigest()[:16]}"
+
+
+def torch_version() -> str:
+    """torch's version from its package metadata: a kernel's cache folder is found without
+    importing torch (the demo's start plan runs before the server's imports)."""
+    try:
+        return importlib.metadata.version("torch")
+    except importlib.metadata.PackageNotFoundError:  # a source tree on sys.path: no metadata
+        import torch
+
+        return torch.__version__
 
 
 def op_by_name(qualified: str) -> Callable[..., Any]:

@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from modserve.api import hookimpl
+
+# The paged backend's C++ decode kernel: named here, away from torch, for the demo's start plan.
+DECODE_KERNEL = Path(__file__).parent / "csrc" / "paged_decode.cpp"
 
 
 @hookimpl

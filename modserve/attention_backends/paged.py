@@ -53,13 +53,13 @@ import functools
 import itertools
 import logging
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 from pydantic import BaseModel, Field
 
+from modserve.attention_backends import DECODE_KERNEL
 from modserve.api.cpp import load_kernel
 from modserve.api.fp8 import FP8, fp8_to_float, to_fp8
 from modserve.api import AttentionBackend, AttentionMetadata, AttentionSpec
@@ -148,7 +148,6 @@ class PagedAttentionState:
     prefills: list[PrefillPlan] = field(default_factory=list)
 
 
-DECODE_KERNEL = Path(__file__).parent / "csrc" / "paged_decode.cpp"
 
 # Decodes are sorted by length and attended in groups of this many, each padded to its
 # own longest: on the reference workload, padding every decode to the step's longest

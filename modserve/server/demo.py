@@ -38,10 +38,11 @@ def demo_draft_dir() -> Path:
 
 
 def log_start_plan() -> None:
-    """One line before anything is built: what this start builds, and about how long it takes."""
+    """One line before anything is built: what this start may build, and about how long it takes.
+    NOTE: imports no torch (about a second), so the server's engine core starts that much sooner."""
     if kernels := missing_kernels():
-        logger.info("demo start: building %d C++ kernel%s (%s; ~10-20 s each on 2 cores), once, then "
-                    "loading (~10 s); later starts take ~10 s", len(kernels), "s" * (len(kernels) > 1),
+        logger.info("demo start: C++ kernels not built yet: %s (a start builds those this CPU's routes use, "
+                    "~10-20 s each on 2 cores, once), then loading (~10 s); later starts take ~10 s",
                     ", ".join(kernels))
     else:
         logger.info("demo start: C++ kernels cached; serving in ~10 s on 2 cores")
@@ -50,7 +51,7 @@ def log_start_plan() -> None:
 def missing_kernels() -> list[str]:
     """The C++ kernels a CPU demo loads that are not built yet (their names as in the log)."""
     from modserve.api.cpp import build_directory
-    from modserve.attention_backends.paged import DECODE_KERNEL
+    from modserve.attention_backends import DECODE_KERNEL
     from modserve.plugins.platforms.cpu.kernels import LINEAR_KERNELS
 
     kernels = {"modserve_paged_decode": DECODE_KERNEL, "modserve_cpu_kernels": LINEAR_KERNELS}
