@@ -99,7 +99,7 @@ def engine_client(config: EngineConfig, args: argparse.Namespace) -> EngineClien
     """The engine(s) the server talks to: one engine-core process per data-parallel rank (each
     of tensor x pipeline parallel ranks), or, with vLLM's --disable-frontend-multiprocessing,
     engines stepping in threads of this process. --data-parallel-rank N serves that rank alone."""
-    from modserve.server.core_launch import launch_cores
+    from modserve.server.core_launch import end_launches, launch_cores
     from modserve.server.rank_configs import replica_configs
     from modserve.server.remote_cores import RemoteRanks
 
@@ -148,9 +148,7 @@ def engine_client(config: EngineConfig, args: argparse.Namespace) -> EngineClien
         try:
             from modserve.server.engine_process import start_engine_processes
         except BaseException:
-            for launch in launched:
-                launch.kill()
-                launch.close()
+            end_launches(launched)
             raise
         try:  # from here start_engine_processes owns the launched cores (kills them if it fails)
             engines = start_engine_processes(configs, first_rank=first, remote=remote, launched=launched)

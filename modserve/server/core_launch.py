@@ -18,7 +18,7 @@ import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 import msgspec
 import zmq
@@ -125,11 +125,16 @@ def launch_cores(configs: list[EngineConfig], first_rank: int = 0) -> list[CoreL
         for rank, config in enumerate(configs, first_rank):
             launches.append(launch_core(config, rank))
     except BaseException:
-        for launch in launches:
-            launch.kill()
-            launch.close()
+        end_launches(launches)
         raise
     return launches
+
+
+def end_launches(launches: Iterable[CoreLaunch]) -> None:
+    """Kill each core (its workers too) and close its sockets: a start that failed part-way."""
+    for launch in launches:
+        launch.kill()
+        launch.close()
 
 
 def launch_core(config: EngineConfig, dp_rank: int) -> CoreLaunch:

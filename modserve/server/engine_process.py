@@ -38,7 +38,7 @@ from modserve.engine import core_protocol as p
 from modserve.engine.grammar_compile import CompilerClosed
 from modserve.engine.output_processor import OutputProcessor
 from modserve.engine.tokenizer import Tokenizer
-from modserve.server.core_launch import READ_POLL_MS, CoreLaunch, EngineStartError, launch_cores
+from modserve.server.core_launch import READ_POLL_MS, CoreLaunch, EngineStartError, end_launches, launch_cores
 from modserve.server.engine_frontend import (AbortRequest, AddRequest, EngineDead, EngineError, EngineFrontend, EngineStopped,
                                              PluginFailed, RequestObserver, Result)
 
@@ -86,9 +86,7 @@ def start_engine_processes(configs: list[EngineConfig], observer: RequestObserve
             prefix = f"r{launch.dp_rank}-" if len(configs) > 1 else ""
             engines.append(EngineProcess(config, launch, ready, outputs[i], observer, prefix))
     except BaseException:
-        for launch in launches:
-            launch.kill()
-            launch.close()
+        end_launches(launches)
         raise
     return engines
 

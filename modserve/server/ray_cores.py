@@ -26,7 +26,7 @@ import msgspec
 from modserve.core.config import EngineConfig
 from modserve.engine import core_handshake as h
 from modserve.engine.core_process import LaunchSpec
-from modserve.server.core_launch import CoreLaunch, EngineStartError
+from modserve.server.core_launch import CoreLaunch, EngineStartError, end_launches
 from modserve.server.remote_cores import await_remote_cores, bind_remote_core, ready_timeout
 from modserve.server.rank_configs import replica_config
 
@@ -86,9 +86,7 @@ class RayRanks:
                 self._start_actors(ranks, nodes, f"tcp://{address}:{self.port}")
                 await_remote_cores(launches, address, self.port, self.config, ready_timeout(), self.failed)
             except BaseException:
-                for launch in launches:
-                    launch.kill()
-                    launch.close()
+                end_launches(launches)
                 raise
         except BaseException:
             self.shutdown()

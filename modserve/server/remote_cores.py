@@ -27,7 +27,7 @@ from zmq.utils.monitor import recv_monitor_message
 from modserve.core.config import EngineConfig
 from modserve.engine import core_handshake as h
 from modserve.engine.core_protocol import PROTOCOL_VERSION
-from modserve.server.core_launch import CoreLaunch, EngineStartError
+from modserve.server.core_launch import CoreLaunch, EngineStartError, end_launches
 
 logger = logging.getLogger("modserve.server")
 
@@ -104,9 +104,7 @@ class RemoteRanks:
                 launches.append(bind_remote_core(rank, self.address))
             await_remote_cores(launches, self.address, self.port, self.config, ready_timeout())
         except BaseException:
-            for launch in launches:
-                launch.kill()
-                launch.close()
+            end_launches(launches)
             raise
         return launches
 
