@@ -6,7 +6,8 @@ KV heads, head_dim 64). Each variant is a build of the kernel at a vector width:
 and ``8`` are this build's two paths (16 only where it has AVX-512), ``old`` (with
 ``--old SOURCE``) another source whose ops are registered under ``modserve_paged_old``.
 Variants are called in turn, round after round, so a load that comes and goes on a
-shared machine falls on all alike; the medians are printed, and the minimums (the
+shared machine falls on all alike, each call on the next layer's cache (a variant never
+finds its KV warm from the call before it); the medians are printed, and the minimums (the
 figure least disturbed where other jobs take the cores: a call preempted for a time slice
 lasts milliseconds longer).
 
@@ -77,8 +78,9 @@ def main() -> int:
         lens = torch.full((B,), args.len, dtype=torch.long)
         times: dict[str, list[float]] = {v: [] for v in calls}
         for r in range(args.rounds):
-            for v, call in calls.items():
-                q, k, vc, tables = caches[r % args.layers]
+            for i, (v, call) in enumerate(calls.items()):
+                # the next layer's cache for every call: a variant never finds its KV warm from the last
+                q, k, vc, tables = caches[(r * len(calls) + i) % args.layers]
                 start = clock()
                 call(q, k, vc, tables, lens, D**-0.5)
                 times[v].append(clock() - start)

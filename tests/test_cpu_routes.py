@@ -99,6 +99,35 @@ def test_the_bf16_gemm_route_equals_a_reference_product_at_every_row_count(m, pa
     torch.testing.assert_close(y.double(), expected, atol=1e-2, rtol=8e-3)
 
 
+@pytest.mark.parametrize("m", [2, 17, 300])
+def test_the_bf16_gemm_route_under_compile_keeps_its_casts_in_the_graph(m):
+    """A compiled forward calls ``bf16_gemm`` on bf16 rows and casts around it in its graph
+    (where inductor fuses the casts into the ops beside the GEMM): the products equal the
+    eager route's, whose float32 output from the dot kernel (up to three rows) is rounded to
+    bf16 there, as oneDNN's is at every row count."""
+    from modserve.plugins.platforms.cpu import linear
+
+    _kernels()
+    g = torch.Generator().manual_seed(m)
+    w = (torch.randn(96, 160, generator=g) * 0.05).bfloat16()
+    x, bias = torch.randn(m, 160, generator=g), torch.randn(96, generator=g)
+    layout = torch.ops.mkldnn._reorder_linear_weight(w, 64)
+    old, linear._bf16_kernel = linear._bf16_kernel, True
+    try:
+        torch._dynamo.reset()
+        graph = []
+        compiled = torch.compile(lambda a: torch.nn.functional.gelu(linear.linear_or_gemv(a, w, bias, None, layout)),
+                                 backend=lambda gm, _: graph.append(gm) or gm)
+        y = compiled(x)
+    finally:
+        linear._bf16_kernel = old
+    ops = [n.target for n in graph[0].graph.nodes if n.op == "call_function"]
+    assert torch.ops.modserve_cpu.bf16_gemm in ops and torch.ops.modserve_cpu.bf16_gemm_linear not in ops
+    eager = torch.ops.modserve_cpu.bf16_gemm_linear(x, w, layout, None)
+    want = torch.nn.functional.gelu(eager.bfloat16().float() + bias)
+    torch.testing.assert_close(y, want, rtol=0, atol=0)
+
+
 @pytest.fixture(scope="module")
 def bf16_path():
     return str(cached_checkpoint("llama", "tiny", dtype="bfloat16"))

@@ -80,6 +80,11 @@ def linear_or_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     if decode_weight is not None and decode_weight.dtype == torch.bfloat16 and _bf16_kernel:
         return torch.ops.modserve_cpu.few_rows_linear(x, weight, decode_weight, packed_weight, bias)
     if decode_weight is None and weight.dtype == torch.bfloat16 and x.dtype == torch.float32:
+        if _bf16_kernel and torch.compiler.is_compiling():
+            # the casts stay in the graph, where inductor fuses them into the norm, activation
+            # or residual add beside the GEMM: no float32 copy of an activation for the GEMM alone
+            y = torch.ops.modserve_cpu.bf16_gemm(x.to(torch.bfloat16), weight, packed_weight).float()
+            return y if bias is None else y + bias
         if _bf16_kernel:
             return torch.ops.modserve_cpu.bf16_gemm_linear(x, weight, packed_weight, bias)
         y = F.linear(x.to(torch.bfloat16), weight).float()
@@ -191,6 +196,10 @@ def _bf16_gemm_linear_fake(x: torch.Tensor, weight: torch.Tensor, packed: torch.
     return x.new_empty(x.shape[0], weight.shape[0])
 
 
+def _bf16_gemm_fake(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | None) -> torch.Tensor:
+    return x.new_empty(x.shape[0], weight.shape[0])  # bf16, as x
+
+
 @functools.cache
 def load_few_rows_kernel() -> bool:
     """Load the C++ kernel and give ``modserve_cpu::few_rows_linear`` (up to :data:`FEW_ROWS`
@@ -199,6 +208,7 @@ def load_few_rows_kernel() -> bool:
         return False
     torch.library.register_fake("modserve_cpu::few_rows_linear")(_few_rows_linear_fake)
     torch.library.register_fake("modserve_cpu::bf16_gemm_linear")(_bf16_gemm_linear_fake)
+    torch.library.register_fake("modserve_cpu::bf16_gemm")(_bf16_gemm_fake)
     set_few_rows_floats(cpu_features())
     return True
 

@@ -542,34 +542,42 @@ at::Tensor bf16_dot_linear(const at::Tensor& x, const at::Tensor&) {
 
 constexpr int64_t kPackedMaxRows = 256;  // beyond, a prefill's GEMM: the plain layout ran faster
 
-// y = x @ W.T (+ b) for float32 rows x and bfloat16 weights W, with x rounded to bf16 (as a
-// bf16 model's activations are) and float32 sums: up to kDotMaxRows rows through the
-// vdpbf16ps kernel above where the CPU has AMX-era AVX512-BF16 (float32 out); more through
-// oneDNN's bf16 GEMM on AMX tiles (its output rounded to bf16 and widened), up to
+// y = x @ W.T for bf16 rows x and bfloat16 weights W, float32 sums rounded to bf16 (as a bf16
+// model's activations are): up to kDotMaxRows rows through the vdpbf16ps kernel above where
+// the CPU has AMX-era AVX512-BF16; more through oneDNN's bf16 GEMM on AMX tiles, up to
 // kPackedMaxRows from `packed`, W reordered once at load into oneDNN's blocked layout (a
-// GEMM of decode rows otherwise reorders W on every call), beyond from W itself. The bias is
-// added in float32. The route for every row count on CPUs with AMX
-// (modserve/plugins/platforms/cpu/features.py).
-at::Tensor bf16_gemm_linear(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& packed,
-                            const c10::optional<at::Tensor>& bias) {
-  TORCH_CHECK(weight.scalar_type() == at::kBFloat16 && x.dim() == 2 && x.size(1) == weight.size(1),
-              "bf16_gemm_linear: x [M, K], bf16 weight [N, K]");
+// GEMM of decode rows otherwise reorders W on every call), beyond from W itself. What a
+// compiled forward calls: the casts to and from bf16 stay in its graph, fused into the ops
+// before and after, so no float32 copy of an activation is made for the GEMM alone.
+at::Tensor bf16_gemm(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& packed) {
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && weight.scalar_type() == at::kBFloat16 && x.dim() == 2 &&
+                  x.size(1) == weight.size(1),
+              "bf16_gemm: bf16 x [M, K], bf16 weight [N, K]");
   const int64_t M = x.size(0);
-  at::Tensor y;
-  if (kHaveDot && M <= kDotMaxRows) {
-    y = bf16_dot_linear(x, weight);
-  } else if (packed.has_value() && packed->defined() && M <= kPackedMaxRows) {
+  if (kHaveDot && M <= kDotMaxRows) return bf16_dot_linear(x, weight).to(at::kBFloat16);
+  if (packed.has_value() && packed->defined() && M <= kPackedMaxRows) {
     static const auto linear_pointwise =
         c10::Dispatcher::singleton()
             .findSchemaOrThrow("mkldnn::_linear_pointwise", "")
             .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const c10::optional<at::Tensor>&,
                               c10::string_view, c10::List<c10::optional<at::Scalar>>,
                               c10::optional<c10::string_view>)>();
-    y = linear_pointwise.call(x.to(at::kBFloat16), *packed, c10::nullopt, "none",
-                              c10::List<c10::optional<at::Scalar>>(), "").to(at::kFloat);
-  } else {
-    y = at::mm(x.to(at::kBFloat16), weight.t()).to(at::kFloat);
+    return linear_pointwise.call(x, *packed, c10::nullopt, "none", c10::List<c10::optional<at::Scalar>>(), "");
   }
+  return at::mm(x, weight.t());
+}
+
+// y = x @ W.T (+ b) for float32 rows x and bfloat16 weights W, with x rounded to bf16 and
+// float32 sums: bf16_gemm's routes, except that up to kDotMaxRows rows keep the dot kernel's
+// float32 output; beyond, oneDNN's output is rounded to bf16 and widened. The bias is added in
+// float32. The route for every row count on CPUs with AMX
+// (modserve/plugins/platforms/cpu/features.py); a native decode step's linears.
+at::Tensor bf16_gemm_linear(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& packed,
+                            const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(weight.scalar_type() == at::kBFloat16 && x.dim() == 2 && x.size(1) == weight.size(1),
+              "bf16_gemm_linear: x [M, K], bf16 weight [N, K]");
+  at::Tensor y = kHaveDot && x.size(0) <= kDotMaxRows ? bf16_dot_linear(x, weight)
+                                                       : bf16_gemm(x.to(at::kBFloat16), weight, packed).to(at::kFloat);
   if (bias.has_value() && bias->defined()) y.add_(*bias);
   return y;
 }
@@ -583,6 +591,7 @@ TORCH_LIBRARY(modserve_cpu, m) {
   m.def("few_rows_linear(Tensor x, Tensor weight, Tensor decode_weight, Tensor? packed_weight, Tensor? bias) -> Tensor");
   m.def("panel_linear(Tensor x, Tensor panels, int out_features, Tensor? bias) -> Tensor");
   m.def("bf16_gemm_linear(Tensor x, Tensor weight, Tensor? packed, Tensor? bias) -> Tensor");
+  m.def("bf16_gemm(Tensor x, Tensor weight, Tensor? packed) -> Tensor");
   m.def("bf16_dot_linear(Tensor x, Tensor weight) -> Tensor");
   m.def("bf16_dot_built() -> bool");
   m.def("set_few_rows_floats(int floats) -> ()");
@@ -590,6 +599,7 @@ TORCH_LIBRARY(modserve_cpu, m) {
   m.def("few_rows_avx512_built() -> bool");
   // every backend, as few_rows_linear: a oneDNN-packed weight dispatches as MkldnnCPU
   m.impl("bf16_gemm_linear", c10::DispatchKey::CompositeExplicitAutograd, TORCH_FN(bf16_gemm_linear));
+  m.impl("bf16_gemm", c10::DispatchKey::CompositeExplicitAutograd, TORCH_FN(bf16_gemm));
   m.impl("bf16_dot_linear", c10::DispatchKey::CPU, TORCH_FN(bf16_dot_linear));
   m.impl("bf16_dot_built", c10::DispatchKey::CatchAll, TORCH_FN(bf16_dot_built));
   m.impl("set_few_rows_floats", c10::DispatchKey::CatchAll, TORCH_FN(set_few_rows_floats));
