@@ -412,23 +412,37 @@ def test_paged_cpu_kernel_at_each_width(heads, head_dim: int, block_size: int, c
         pytest.skip("16-float path: this build has no AVX-512 (the kernel is built for the CPU it runs on)")
 
 
+@pytest.mark.parametrize("bf16_prefill", ["off", "on"])
 @pytest.mark.parametrize("cpu_kernel", [True, False], ids=["kernel", "torch"])
 @pytest.mark.parametrize("seqs", [MIXED, [((i * 37) % 90, 1) for i in range(20)] + [(5, 7)]],
                          ids=["mixed", "decode-groups-mixed"])
-def test_paged_reads_a_bf16_cache_under_float32_compute(cpu_kernel: bool, seqs) -> None:
+def test_paged_reads_a_bf16_cache_under_float32_compute(cpu_kernel: bool, seqs, bf16_prefill: str) -> None:
     """The CPU's bf16_gemm route: float32 queries over a bf16 cache, written rounded and read
-    widened, by the C++ kernel and by the torch path. With every key and value a bf16 value
-    already, the result is float32 attention over exactly those values."""
+    widened, by the C++ kernel and by the torch path. With every query, key and value a bf16
+    value already, a decode is float32 attention over exactly those values; so is a prefill
+    with ``bf16_prefill`` off. On, a prefill attends in bf16 (torch's flash kernel): its
+    probabilities and its output rounded to bf16, the sums in float32."""
     case = make_case(seqs, block_size=4, num_heads=8, num_kv_heads=2, seed=11)
-    for t in (case.k, case.v, case.slots, *case.ctx_k, *case.ctx_v):
+    for t in (case.q, case.k, case.v, case.slots, *case.ctx_k, *case.ctx_v):
         t.copy_(t.bfloat16().float())
     spec = dataclasses.replace(case.spec, kv_cache_dtype=torch.bfloat16)
-    backend = PagedAttention(spec, PagedOptions(cpu_kernel=cpu_kernel))
+    backend = PagedAttention(spec, PagedOptions(cpu_kernel=cpu_kernel, bf16_prefill=bf16_prefill))
     assert backend.kv_cache_problem() is None and backend.kernel == cpu_kernel
+    assert backend.bf16_prefill == (bf16_prefill == "on")
     cache = backend_cache(backend, case).bfloat16()
     out = backend.forward(case.q, case.k, case.v, cache, case.meta, backend.prepare(case.meta))
     assert cache.dtype == torch.bfloat16 and out.dtype == torch.float32
-    torch.testing.assert_close(out.double(), naive_attention(case), rtol=0, atol=1e-5)
+    lens = torch.tensor(case.meta.query_lens_cpu)
+    prefill = lens.repeat_interleave(lens) > 1  # [T]: the rows of sequences with several new tokens
+    assert prefill.any() and (~prefill).any()
+    want = naive_attention(case)
+    torch.testing.assert_close(out[~prefill].double(), want[~prefill], rtol=0, atol=1e-5)
+    if bf16_prefill == "off":
+        torch.testing.assert_close(out[prefill].double(), want[prefill], rtol=0, atol=1e-5)
+    else:
+        # a few bf16 steps (2^-8 each) of rounded probabilities and output
+        torch.testing.assert_close(out[prefill].double(), want[prefill], rtol=2**-7, atol=4e-3)
+        assert (out[prefill].double() - want[prefill]).abs().max() > 1e-5  # it did attend in bf16
     check_cache(case, slot_view(backend, cache).float())
     half = dataclasses.replace(case.spec, dtype=torch.float16, kv_cache_dtype=torch.bfloat16)
     assert "not torch.bfloat16 under torch.float16" in PagedAttention(half).kv_cache_problem()
