@@ -73,6 +73,8 @@ def methods(work: Path, text: Path) -> dict[str, tuple[Callable[[], Path], dict[
         "float32": (lambda: main, {}),
         "bfloat16": (lambda: main, {"dtype": "bfloat16"}),
         "int8 (per channel)": (lambda: main, {"quantization": "int8"}),
+        "int8 (per channel), float32 activations": (
+            lambda: main, {"quantization": {"name": "int8", "options": {"activations": "float32"}}}),
         "int8 W8A8 (per channel, activations per token)": (
             lambda: main, {"quantization": {"name": "int8", "options": {"activations": "int8"}}}),
         "fp8 e4m3 (per channel)": (lambda: main, {"quantization": "fp8"}),

@@ -87,3 +87,28 @@ def test_dynamic_activations_are_int8_beyond_16_rows(paths, rows):
     torch.testing.assert_close(got.double(), want, rtol=1e-6, atol=1e-6)
     float_activations = (x.double() @ q.double().T) * s.double() + b.double()
     assert not torch.allclose(got.double(), float_activations, rtol=1e-6, atol=1e-6)  # x was rounded
+
+
+@pytest.fixture(scope="module")
+def tiles(paths) -> None:
+    if not torch.ops.modserve_int8.bf16_tiles():
+        pytest.skip("this CPU has no AMX-BF16 tiles (torch's cpublas::could_pack(bfloat16) is false)")
+
+
+# K = 2048 runs the product in two chunks of 1024 summed on the tiles; 2050 in one. N = 150:
+# two blocks of 64 weight rows and a part. Rows: two passes (17, 64), a padded token block
+# (65, 200), and more than one pass of 256 tokens (300).
+@pytest.mark.parametrize("rows", [1, 16, 17, 64, 65, 200, 300])
+@pytest.mark.parametrize("k", [2048, 2050])
+def test_bf16_activations_beyond_16_rows(tiles, rows, k):
+    """linear_bf16: up to 16 rows linear()'s float32 activations, bit for bit; beyond, x rounded
+    to bf16 times the exact int8 weights, summed in float32 and scaled."""
+    x, q, s, b = case(rows, k, 150, seed=rows + k)
+    for bias in (b, None):
+        got = torch.ops.modserve_int8.linear_bf16(x, q, s, bias)
+        if rows <= 16:
+            assert torch.equal(got, torch.ops.modserve_int8.linear(x, q, s, bias))
+            continue
+        check(got, x.bfloat16().float(), q, s, bias)
+        float_activations = (x.double() @ q.double().T) * s.double()
+        assert not torch.allclose(got.double(), float_activations, rtol=1e-5, atol=1e-5)  # x was rounded

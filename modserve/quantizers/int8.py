@@ -14,6 +14,7 @@ row's inputs, with scales of its own (finer, so the logits differ from TP=1's by
 from __future__ import annotations
 
 import functools
+import logging
 from pathlib import Path
 from typing import Literal
 
@@ -27,6 +28,7 @@ from modserve.api.cpp import load_kernel
 from modserve.quantizers.packing import Workspace
 
 KERNEL = Path(__file__).parent / "csrc" / "int8_linear.cpp"
+logger = logging.getLogger("modserve")
 
 
 class Int8Options(BaseModel):
@@ -41,12 +43,15 @@ class Int8Options(BaseModel):
     # product, 1 thread: 1.7 ms at T=1, 100 ms at 64, against 0.25 and 3.1 ms for dequant), so it
     # runs only when named.
     kernel: Literal["auto", "cpu", "int8pack", "dequant"] = "auto"
-    # float32: weight-only (W8A16), activations stay float32. int8 (W8A8, kernel cpu): steps of
-    # more than 16 rows (prefill, large batches) quantize each row of x to int8 (absmax / 127,
-    # vLLM's dynamic per-token scheme) and multiply int8 by int8 (torch's _int_mm: VNNI or
-    # AMX-INT8 where the CPU has them); decode steps of up to 16 rows, bound by reading the
-    # weights, keep float32 activations.
-    activations: Literal["float32", "int8"] = "float32"
+    # What x becomes in steps of more than 16 rows (prefill, large batches); decode steps of up
+    # to 16 rows, bound by reading the weights, always keep float32 activations.
+    # float32: weight-only (W8A16), x stays float32. bf16 (kernel cpu, a CPU with AMX-BF16):
+    # x rounded to bf16, the int8 weights widened to bf16 (exactly) and multiplied on the AMX
+    # tiles into float32 sums. int8 (W8A8, kernel cpu): each row of x quantized to int8
+    # (absmax / 127, vLLM's dynamic per-token scheme), multiplied int8 by int8 (torch's
+    # _int_mm: VNNI or AMX-INT8 where the CPU has them). auto: bf16 where it applies, else
+    # float32.
+    activations: Literal["auto", "float32", "bf16", "int8"] = "auto"
 
 
 def quantize_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -81,17 +86,30 @@ class Int8(Quantizer):
             if problem and kernel == "cpu":
                 raise ValueError(f"int8 kernel cpu cannot run: {problem}")
             kernel = "dequant" if problem else "cpu"
-        if self.options.activations == "int8" and kernel != "cpu":
-            raise ValueError("int8 option activations: int8 needs the cpu kernel (float32 compute on a CPU "
-                             f"where it builds); this layer would run {kernel}")
+        if self.options.activations in ("int8", "bf16") and kernel != "cpu":
+            raise ValueError(f"int8 option activations: {self.options.activations} needs the cpu kernel (float32 "
+                             f"compute on a CPU where it builds); this layer would run {kernel}")
+        if self.options.activations == "bf16" and not torch.ops.modserve_int8.bf16_tiles():
+            raise ValueError("int8 option activations: bf16 needs AMX-BF16 tiles, which this CPU lacks "
+                             "(torch's cpublas::could_pack(bfloat16) is false)")
         layer.kernel = kernel
         self.kernels.add(kernel)
+
+    @functools.cached_property
+    def activations(self) -> str:
+        """The activations many-row steps take, ``auto`` resolved (after the kernel loaded)."""
+        chosen = self.options.activations
+        if chosen == "auto":
+            chosen = "bf16" if "cpu" in self.kernels and torch.ops.modserve_int8.bf16_tiles() else "float32"
+        logger.info("int8: kernels %s; steps of more than 16 rows take %s activations (option activations: %s)",
+                    ", ".join(sorted(self.kernels)), chosen, self.options.activations)
+        return chosen
 
     def traceable(self) -> bool:
         return self.kernels == {"cpu"}  # one C++ op with a fake; dequant's workspace is Python state
 
     def cpu_op(self) -> str:
-        return "linear_dynamic" if self.options.activations == "int8" else "linear"
+        return {"float32": "linear", "bf16": "linear_bf16", "int8": "linear_dynamic"}[self.activations]
 
     def native_op(self, layer: nn.Module) -> tuple[str, list[torch.Tensor | None]] | None:
         if layer.kernel != "cpu":
@@ -140,4 +158,5 @@ def load_cpu_kernel() -> str | None:
     if problem is None:
         torch.library.register_fake("modserve_int8::linear")(_linear_fake)
         torch.library.register_fake("modserve_int8::linear_dynamic")(_linear_fake)
+        torch.library.register_fake("modserve_int8::linear_bf16")(_linear_fake)
     return problem

@@ -13,10 +13,14 @@
 // from memory once and never widened to a float32 copy. In C++ so that one op serves every
 // row count: a compiled region traces no branch on the rows.
 //
+// Beyond kMaxRows rows with bf16 activations (linear_bf16, below): the int8 weights widened
+// to bf16 and multiplied on the AMX tiles.
+//
 // Registered as torch.ops.modserve_int8.linear (built by modserve/quantizers/int8.py).
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <ATen/native/CPUBlas.h>
 #include <torch/library.h>
 
 #if defined(__AVX2__) || defined(__AVX512F__)
@@ -28,6 +32,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -258,6 +263,105 @@ at::Tensor linear_dynamic(const at::Tensor& x, const at::Tensor& qweight, const 
   return bias.has_value() ? y.add_(*bias) : y;
 }
 
+// W8A16 on AMX tiles (Int8Options.activations: bf16). Beyond kMaxRows rows a step computes
+// rather than reads, and the tiles multiply bf16 pairs into float32 sums many times faster
+// than linear()'s widen-and-FMA passes. Every int8 weight is exact in bf16, so only x is
+// rounded (to bf16, as the bf16_gemm route rounds a bf16 checkpoint's activations); the sums
+// stay float32 and the scale multiplies them, as in linear().
+//
+// The weights are the A operand: a block of kWeightRows rows, widened once per pass into a
+// per-thread buffer and multiplied by every token of the pass. x^T is the B operand, packed
+// once per call into oneDNN's VNNI layout by blocks of kTokens tokens (the last one padded
+// with zeros). So no int8 weight is ever transposed; C [weight rows, tokens] is small and is
+// written back transposed, scaled. The GEMM is torch's cpublas::brgemm: oneDNN's ukernel.
+constexpr int64_t kWeightRows = 64;  // rows of q per A block: four tiles of 16 rows
+// Tokens of one packed B block: 64 (torch's flash attention packs 64 too), or 32 for a step
+// of up to 32 rows, which pads fewer tokens with zeros.
+constexpr int64_t kTokens = 64;
+constexpr int64_t kPassTokens = 256;  // tokens one pass over the weights multiplies: x's share stays in L2
+constexpr int64_t kChunk = 1024;      // K per brgemm call where K is a multiple: A and B chunks stay in L2
+
+// n int8 weights -> bf16: exact, so the bf16 is the top half of the float32.
+void widen_bf16(const int8_t* q, uint16_t* out, int64_t n) {
+  int64_t i = 0;
+#if defined(__AVX512F__)
+  for (; i + 16 <= n; i += 16) {
+    const __m512i f = _mm512_castps_si512(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+        _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + i)))));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i), _mm512_cvtepi32_epi16(_mm512_srli_epi32(f, 16)));
+  }
+#endif
+  for (; i < n; ++i) {
+    const float f = static_cast<float>(q[i]);
+    uint32_t bits;
+    std::memcpy(&bits, &f, sizeof bits);
+    out[i] = static_cast<uint16_t>(bits >> 16);
+  }
+}
+
+bool bf16_tiles() { return at::native::cpublas::could_pack(at::kBFloat16); }
+
+at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
+                       const c10::optional<at::Tensor>& bias) {
+  namespace cpublas = at::native::cpublas;
+  if (x.size(0) <= kMaxRows) return linear(x, qweight, scales, bias);
+  TORCH_CHECK(bf16_tiles(), "modserve_int8.linear_bf16: this CPU has no AMX-BF16 tiles");
+  TORCH_CHECK(x.scalar_type() == at::kFloat && qweight.scalar_type() == at::kChar && x.dim() == 2 &&
+                  x.size(1) == qweight.size(1) && x.size(1) % 2 == 0,
+              "modserve_int8.linear_bf16: float32 x [M, K], int8 qweight [N, K], K even");
+  const int64_t M = x.size(0), K = x.size(1), N = qweight.size(0);
+  const int64_t tokens = M <= kTokens / 2 ? kTokens / 2 : kTokens;
+  const int64_t blocks = (M + tokens - 1) / tokens, padded = blocks * tokens;
+  at::Tensor xt = at::zeros({K, padded}, x.options().dtype(at::kBFloat16));  // [K, padded]: x^T, rounded
+  xt.narrow(1, 0, M).copy_(x.t());
+  at::Tensor packed = at::empty({blocks, K * tokens}, xt.options());  // [blocks, K * tokens] VNNI
+  const auto* xtp = xt.data_ptr<at::BFloat16>();
+  auto* bp = packed.data_ptr<at::BFloat16>();
+  at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b)
+      cpublas::pack(K, tokens, padded, tokens, at::kBFloat16, at::kBFloat16, xtp + b * tokens, bp + b * K * tokens);
+  });
+  const at::Tensor qc = qweight.contiguous(), sc = scales.contiguous();
+  const at::Tensor bc = bias.has_value() ? bias->to(at::kFloat).contiguous() : at::Tensor();
+  at::Tensor y = at::empty({M, N}, x.options());
+  const int8_t* qp = qc.data_ptr<int8_t>();
+  const float* sp = sc.data_ptr<float>();
+  const float* biasp = bc.defined() ? bc.data_ptr<float>() : nullptr;
+  float* yp = y.data_ptr<float>();
+  // A in chunks of K, each row padded by a cache line: rows 2^n bytes apart alias in L1.
+  const int64_t chunk = K % kChunk == 0 ? kChunk : K, chunks = K / chunk, lda = chunk + 32;
+  const int64_t weight_blocks = (N + kWeightRows - 1) / kWeightRows, per_pass = kPassTokens / tokens;
+  for (int64_t first = 0; first < blocks; first += per_pass) {
+    const int64_t last = std::min(blocks, first + per_pass);
+    at::parallel_for(0, weight_blocks, 1, [&](int64_t begin, int64_t end) {
+      std::unique_ptr<at::BFloat16[]> a(new at::BFloat16[chunks * kWeightRows * lda]);  // [chunks, rows, lda]
+      std::unique_ptr<float[]> c(new float[kWeightRows * tokens]);                     // [rows, tokens]
+      for (int64_t wb = begin; wb < end; ++wb) {
+        const int64_t n0 = wb * kWeightRows, rows = std::min(kWeightRows, N - n0);
+        for (int64_t r = 0; r < rows; ++r) {
+          for (int64_t h = 0; h < chunks; ++h) {
+            widen_bf16(qp + (n0 + r) * K + h * chunk, reinterpret_cast<uint16_t*>(a.get() + (h * kWeightRows + r) * lda),
+                       chunk);
+          }
+        }
+        for (int64_t b = first; b < last; ++b) {
+          for (int64_t h = 0; h < chunks; ++h) {
+            cpublas::brgemm(rows, tokens, chunk, lda, tokens, tokens, /*add_C=*/h > 0,
+                            a.get() + h * kWeightRows * lda, bp + b * K * tokens + h * chunk * tokens, c.get());
+          }
+          for (int64_t m = b * tokens; m < std::min(M, (b + 1) * tokens); ++m) {
+            float* ym = yp + m * N + n0;
+            const float* cm = c.get() + (m - b * tokens);
+            for (int64_t r = 0; r < rows; ++r) ym[r] = cm[r * tokens] * sp[n0 + r] + (biasp ? biasp[n0 + r] : 0.f);
+          }
+        }
+      }
+      cpublas::brgemm_release();
+    });
+  }
+  return y;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(modserve_int8, m) {
@@ -265,6 +369,9 @@ TORCH_LIBRARY(modserve_int8, m) {
   m.impl("linear", c10::DispatchKey::CPU, TORCH_FN(linear));
   m.def("linear_dynamic(Tensor x, Tensor qweight, Tensor scales, Tensor? bias) -> Tensor");
   m.impl("linear_dynamic", c10::DispatchKey::CPU, TORCH_FN(linear_dynamic));
+  m.def("linear_bf16(Tensor x, Tensor qweight, Tensor scales, Tensor? bias) -> Tensor");
+  m.impl("linear_bf16", c10::DispatchKey::CPU, TORCH_FN(linear_bf16));
+  m.def("bf16_tiles() -> bool", [] { return bf16_tiles(); });
   // The same product by a named path of this build, and the paths: for tests and benchmarks.
   m.def("linear_path(Tensor x, Tensor qweight, Tensor scales, Tensor? bias, str path) -> Tensor");
   m.impl("linear_path", c10::DispatchKey::CPU, TORCH_FN(linear_with));
