@@ -606,3 +606,12 @@ def test_bench_throughput_n_sequences_per_prompt(llama_dir, tmp_path, capsys):
     [run] = json.loads(path.read_text())["modserve"]
     assert run["output tok/s"] * run["wall s"] == pytest.approx(3 * 2 * 4)  # every sample's tokens
     assert run["req/s"] * run["wall s"] == pytest.approx(3)
+
+
+def test_bench_names_the_quantization_it_measured(llama_dir, capsys):
+    rc = main(["bench", "throughput", "--model", llama_dir, "--num-kv-blocks", "256", "--num-prompts", "1",
+               "--output-len", "2", "--repeats", "1", "--warmups", "0", "--threads", "1",
+               "--quantization", '{"name": "int8", "options": {"activations": "float32"}}'])
+    assert rc == 0
+    model_line = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("model: "))
+    assert 'quantization int8 {"activations": "float32"}' in model_line

@@ -265,6 +265,9 @@ def _header(llm: Any, pinning: str) -> list[str]:
     cfg = llm.config
     dtype, gemm = str(llm.dtype).removeprefix("torch."), _gemm_dtype(llm)
     dtypes = dtype if gemm == dtype else f"{dtype} activations, {gemm} linears"
+    if cfg.quantization:  # its choices (an int8 prefill's activations) are in the log, at INFO
+        q = cfg.quantization
+        dtypes += f", quantization {q.name}" + (f" {json.dumps(q.options)}" if q.options else "")
     return [f"model: {cfg.model} ({dtypes}, device {cfg.device})",
             f"engine: attention {cfg.attention_backend.name}, kv_allocator {cfg.kv_allocator.name}, "
             f"scheduler {cfg.scheduler.name}, max_num_seqs {cfg.max_num_seqs}",
