@@ -279,7 +279,7 @@ constexpr int64_t kWeightRows = 64;  // rows of q per A block: four tiles of 16 
 // of up to 32 rows, which pads fewer tokens with zeros.
 constexpr int64_t kTokens = 64;
 constexpr int64_t kPassTokens = 256;  // tokens one pass over the weights multiplies: x's share stays in L2
-constexpr int64_t kChunk = 1024;      // K per brgemm call where K is a multiple: A and B chunks stay in L2
+constexpr int64_t kChunk = 256;  // K per brgemm call where K is a multiple: 32 KiB of A and of B, near L1
 
 // n int8 weights -> bf16: exact, so the bf16 is the top half of the float32.
 void widen_bf16(const int8_t* q, uint16_t* out, int64_t n) {
