@@ -6,7 +6,9 @@
 Per row count, every layer's qkv, o, gate_up and down projection (and the LM head) as one pass
 over the model's bf16 weights, through: the AVX512-BF16 dot kernel (``bf16_dot_linear``, where
 built), oneDNN's bf16 GEMM (``at::mm`` on bf16: AMX tiles where present), the few-rows kernel
-over a bf16 copy (``few_rows_linear``, float32 input, up to 16 rows), and the float32 GEMM on
+over a bf16 copy (``few_rows_linear``, float32 input, up to 16 rows), the ``bf16_gemm`` route's
+copies packed at load (oneDNN's layout; the AMX tiles' own, ``pack_tiles``, where the CPU has
+AMX-BF16: ``bf16_gemm_linear`` from either), and the float32 GEMM on
 float32 weights in panels (``panel_linear``: what the ``few_rows`` route runs beyond 16 rows,
 its weights packed at load; at each ``--few-rows-floats`` width, which sets its tile's too).
 Weights are fresh random tensors of the checkpoint's shapes, so a model larger than the
@@ -77,6 +79,12 @@ def main() -> None:
     nbytes = sum(w.numel() * 2 for w in weights)
     ops = torch.ops.modserve_cpu
     routes = {"oneDNN bf16 GEMM": lambda x, w, f, p: torch.mm(x.bfloat16(), w.t()).float()}
+    # the bf16_gemm route's copies packed at load (prepack_weights): oneDNN's layout, and the AMX tiles' own
+    onednn = {id(w): torch.ops.mkldnn._reorder_linear_weight(w, 64) for w in weights}
+    routes["oneDNN packed"] = lambda x, w, f, p: ops.bf16_gemm_linear(x, w, onednn[id(w)], None)
+    if ops.tiles_ready():
+        tiles = {id(w): placed(ops.pack_tiles(w), a.huge_pages) for w in weights}
+        routes["AMX tiles"] = lambda x, w, f, p: ops.bf16_gemm_linear(x, w, tiles[id(w)], None)
     if ops.bf16_dot_built():
         routes["AVX512-BF16 dot"] = lambda x, w, f, p: ops.bf16_dot_linear(x, w)
     widths = a.few_rows_floats or [ops.few_rows_floats()]

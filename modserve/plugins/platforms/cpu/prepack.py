@@ -83,14 +83,22 @@ BF16_PACK_ROWS = 64
 
 def add_bf16_packed_weights(model: nn.Module) -> int:
     """Give every :func:`~modserve.runner.linear.float_layers` layer whose weight is bf16 (the
-    ``bf16_gemm`` route) a ``packed_weight``: oneDNN's blocked layout of it, which a GEMM of a
-    decode batch reads without reordering the weight on every call; returns its bytes."""
+    ``bf16_gemm`` route) a ``packed_weight`` that a GEMM of a decode batch reads without
+    reordering the weight on every call: the AMX tiles' own layout where the CPU has AMX-BF16
+    (``modserve_cpu::pack_tiles``; ``bf16_gemm_linear`` multiplies it by oneDNN's brgemm
+    ukernel), else oneDNN's blocked layout. Returns its bytes."""
+    tiles = bool(torch.ops.modserve_cpu.tiles_ready())
     total = 0
     for module in float_layers(model):
         if module.weight.dtype == torch.bfloat16:
-            module.packed_weight = torch.ops.mkldnn._reorder_linear_weight(module.weight.detach(), BF16_PACK_ROWS)
+            weight = module.weight.detach()
+            if tiles and weight.shape[1] % 2 == 0:
+                module.packed_weight = torch.ops.modserve_cpu.pack_tiles(weight)
+            else:
+                module.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight, BF16_PACK_ROWS)
             total += module.weight.numel() * 2
-    logger.info("prepack_weights: bf16 weights in oneDNN's layout for decode batches (%.0f MiB)", total / 2**20)
+    logger.info("prepack_weights: bf16 weights in %s for decode batches (%.0f MiB)",
+                "the AMX tiles' layout" if tiles else "oneDNN's layout", total / 2**20)
     return total
 
 

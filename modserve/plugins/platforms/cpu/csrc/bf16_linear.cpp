@@ -11,11 +11,12 @@
 // Beyond a few rows, panel_linear (below) is the float32 GEMM of batched steps.
 //
 // Registered as torch.ops.modserve_cpu.bf16_linear, .panel_linear, .few_rows_linear and
-// .bf16_gemm_linear (built by modserve/plugins/platforms/cpu/kernels.py).
+// .bf16_gemm_linear, with .pack_tiles (built by modserve/plugins/platforms/cpu/kernels.py).
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/native/CPUBlas.h>
 #include <torch/library.h>
 
 #include <immintrin.h>
@@ -542,6 +543,64 @@ at::Tensor bf16_dot_linear(const at::Tensor& x, const at::Tensor&) {
 
 constexpr int64_t kPackedMaxRows = 256;  // beyond, a prefill's GEMM: the plain layout ran faster
 
+// The AMX tiles' own layout of W (where the CPU has AMX-BF16: torch's cpublas::could_pack):
+// blocks of kTileCols output features, each [K / 2, kTileCols, 2] (oneDNN's VNNI pairs),
+// packed once at load. Up to kPackedMaxRows rows, x (rounded to bf16) is the brgemm's A
+// operand and each block of W its B, streamed from memory in order; the float32 sums land
+// in y directly. Against oneDNN's packed GEMM on the same layout's job this reads the
+// weights faster at every decode batch size and leaves the sums unrounded
+// (scripts/linear_routes.py, docs/benchmarks.md).
+constexpr int64_t kTileCols = 64;
+
+bool tiles_ready() { return at::native::cpublas::could_pack(at::kBFloat16); }
+
+bool is_tiles(const c10::optional<at::Tensor>& packed, const at::Tensor& weight) {
+  return packed.has_value() && packed->defined() && !packed->is_mkldnn() && packed->dim() == 2 &&
+         packed->size(1) == weight.size(1) * kTileCols;
+}
+
+at::Tensor pack_tiles(const at::Tensor& weight) {  // [N, K] bf16 -> [ceil(N / 64), K * 64]
+  TORCH_CHECK(tiles_ready(), "pack_tiles: this CPU has no AMX-BF16 tiles");
+  TORCH_CHECK(weight.scalar_type() == at::kBFloat16 && weight.dim() == 2 && weight.size(1) % 2 == 0,
+              "pack_tiles: bf16 weight [N, K], K even");
+  const int64_t N = weight.size(0), K = weight.size(1), blocks = (N + kTileCols - 1) / kTileCols;
+  at::Tensor wt = at::zeros({K, blocks * kTileCols}, weight.options());  // W^T, zero-padded to whole blocks
+  wt.narrow(1, 0, N).copy_(weight.t());
+  at::Tensor tiles = at::empty({blocks, K * kTileCols}, weight.options());
+  const auto* src = wt.data_ptr<at::BFloat16>();
+  auto* dst = tiles.data_ptr<at::BFloat16>();
+  at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b) {
+      at::native::cpublas::pack(K, kTileCols, blocks * kTileCols, kTileCols, at::kBFloat16, at::kBFloat16,
+                                src + b * kTileCols, dst + b * K * kTileCols);
+    }
+  });
+  return tiles;
+}
+
+// y [M, N] float32 = x @ W.T (+ b) from W's tiles; x float32 or bf16, rounded to bf16 either way.
+at::Tensor tiles_linear(const at::Tensor& x, const at::Tensor& tiles, int64_t N, const c10::optional<at::Tensor>& bias) {
+  const int64_t M = x.size(0), K = x.size(1);
+  if (M == 0) return at::zeros({0, N}, x.options().dtype(at::kFloat));
+  // x's rows a cache line further apart than K: rows 2^n bytes apart alias in L1 as tiles load them
+  const int64_t lda = K + 32;
+  at::Tensor xb = at::empty({M, lda}, x.options().dtype(at::kBFloat16));
+  xb.narrow(1, 0, K).copy_(x);
+  at::Tensor y = at::empty({M, N}, x.options().dtype(at::kFloat));
+  const auto* ap = xb.data_ptr<at::BFloat16>();
+  const auto* bp = tiles.data_ptr<at::BFloat16>();
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, tiles.size(0), 1, [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b) {
+      const int64_t n0 = b * kTileCols, cols = std::min(kTileCols, N - n0);
+      at::native::cpublas::brgemm(M, cols, K, lda, kTileCols, N, /*add_C=*/false, ap, bp + b * K * kTileCols, yp + n0);
+    }
+    at::native::cpublas::brgemm_release();
+  });
+  if (bias.has_value() && bias->defined()) y.add_(*bias);
+  return y;
+}
+
 // y = x @ W.T for bf16 rows x and bfloat16 weights W, float32 sums rounded to bf16 (as a bf16
 // model's activations are): up to kDotMaxRows rows through the vdpbf16ps kernel above where
 // the CPU has AMX-era AVX512-BF16; more through oneDNN's bf16 GEMM on AMX tiles, up to
@@ -554,6 +613,8 @@ at::Tensor bf16_gemm(const at::Tensor& x, const at::Tensor& weight, const c10::o
                   x.size(1) == weight.size(1),
               "bf16_gemm: bf16 x [M, K], bf16 weight [N, K]");
   const int64_t M = x.size(0);
+  if (is_tiles(packed, weight) && M <= kPackedMaxRows)
+    return tiles_linear(x, *packed, weight.size(0), c10::nullopt).to(at::kBFloat16);
   if (kHaveDot && M <= kDotMaxRows) return bf16_dot_linear(x, weight).to(at::kBFloat16);
   if (packed.has_value() && packed->defined() && M <= kPackedMaxRows) {
     static const auto linear_pointwise =
@@ -576,6 +637,7 @@ at::Tensor bf16_gemm_linear(const at::Tensor& x, const at::Tensor& weight, const
                             const c10::optional<at::Tensor>& bias) {
   TORCH_CHECK(weight.scalar_type() == at::kBFloat16 && x.dim() == 2 && x.size(1) == weight.size(1),
               "bf16_gemm_linear: x [M, K], bf16 weight [N, K]");
+  if (is_tiles(packed, weight) && x.size(0) <= kPackedMaxRows) return tiles_linear(x, *packed, weight.size(0), bias);
   at::Tensor y = kHaveDot && x.size(0) <= kDotMaxRows ? bf16_dot_linear(x, weight)
                                                        : bf16_gemm(x.to(at::kBFloat16), weight, packed).to(at::kFloat);
   if (bias.has_value() && bias->defined()) y.add_(*bias);
@@ -594,6 +656,8 @@ TORCH_LIBRARY(modserve_cpu, m) {
   m.def("bf16_gemm(Tensor x, Tensor weight, Tensor? packed) -> Tensor");
   m.def("bf16_dot_linear(Tensor x, Tensor weight) -> Tensor");
   m.def("bf16_dot_built() -> bool");
+  m.def("tiles_ready() -> bool", [] { return tiles_ready(); });
+  m.def("pack_tiles(Tensor weight) -> Tensor", TORCH_FN(pack_tiles));
   m.def("set_few_rows_floats(int floats) -> ()");
   m.def("few_rows_floats() -> int");
   m.def("few_rows_avx512_built() -> bool");
