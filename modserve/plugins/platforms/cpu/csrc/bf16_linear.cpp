@@ -551,6 +551,7 @@ constexpr int64_t kPackedMaxRows = 256;  // beyond, a prefill's GEMM: the plain 
 // weights faster at every decode batch size and leaves the sums unrounded
 // (scripts/linear_routes.py, docs/benchmarks.md).
 constexpr int64_t kTileCols = 64;
+constexpr int64_t kAmxRows = 16;  // rows of an AMX tile
 
 bool tiles_ready() { return at::native::cpublas::could_pack(at::kBFloat16); }
 
@@ -582,21 +583,26 @@ at::Tensor pack_tiles(const at::Tensor& weight) {  // [N, K] bf16 -> [ceil(N / 6
 at::Tensor tiles_linear(const at::Tensor& x, const at::Tensor& tiles, int64_t N, const c10::optional<at::Tensor>& bias) {
   const int64_t M = x.size(0), K = x.size(1);
   if (M == 0) return at::zeros({0, N}, x.options().dtype(at::kFloat));
+  // Rows padded to a whole tile of 16 (zeros in, discarded out): the tiles multiply 16 rows
+  // in the time of one, and oneDNN generates a ukernel for each row count it meets (a few
+  // milliseconds each), so every decode batch size would otherwise pay one on first use.
+  const int64_t rows = (M + kAmxRows - 1) / kAmxRows * kAmxRows;
   // x's rows a cache line further apart than K: rows 2^n bytes apart alias in L1 as tiles load them
   const int64_t lda = K + 32;
-  at::Tensor xb = at::empty({M, lda}, x.options().dtype(at::kBFloat16));
-  xb.narrow(1, 0, K).copy_(x);
-  at::Tensor y = at::empty({M, N}, x.options().dtype(at::kFloat));
+  at::Tensor xb = at::zeros({rows, lda}, x.options().dtype(at::kBFloat16));
+  xb.narrow(0, 0, M).narrow(1, 0, K).copy_(x);
+  at::Tensor y = at::empty({rows, N}, x.options().dtype(at::kFloat));
   const auto* ap = xb.data_ptr<at::BFloat16>();
   const auto* bp = tiles.data_ptr<at::BFloat16>();
   float* yp = y.data_ptr<float>();
   at::parallel_for(0, tiles.size(0), 1, [&](int64_t begin, int64_t end) {
     for (int64_t b = begin; b < end; ++b) {
       const int64_t n0 = b * kTileCols, cols = std::min(kTileCols, N - n0);
-      at::native::cpublas::brgemm(M, cols, K, lda, kTileCols, N, /*add_C=*/false, ap, bp + b * K * kTileCols, yp + n0);
+      at::native::cpublas::brgemm(rows, cols, K, lda, kTileCols, N, /*add_C=*/false, ap, bp + b * K * kTileCols, yp + n0);
     }
     at::native::cpublas::brgemm_release();
   });
+  y = y.narrow(0, 0, M);  // contiguous: the first M rows
   if (bias.has_value() && bias->defined()) y.add_(*bias);
   return y;
 }
