@@ -112,3 +112,9 @@ def test_bf16_activations_beyond_16_rows(tiles, rows, k):
         check(got, x.bfloat16().float(), q, s, bias)
         float_activations = (x.double() @ q.double().T) * s.double()
         assert not torch.allclose(got.double(), float_activations, rtol=1e-5, atol=1e-5)  # x was rounded
+
+
+def test_bf16_activations_keep_float32_for_an_odd_k(tiles):
+    """The tiles take K in pairs: an odd K runs linear()'s float32 activations, bit for bit."""
+    x, q, s, b = case(40, 221, 70, seed=1)
+    assert torch.equal(torch.ops.modserve_int8.linear_bf16(x, q, s, b), torch.ops.modserve_int8.linear(x, q, s, b))

@@ -304,11 +304,12 @@ bool bf16_tiles() { return at::native::cpublas::could_pack(at::kBFloat16); }
 at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
                        const c10::optional<at::Tensor>& bias) {
   namespace cpublas = at::native::cpublas;
-  if (x.size(0) <= kMaxRows) return linear(x, qweight, scales, bias);
+  // An odd K (no layer of a real model: the tiles take K in pairs) keeps linear()'s float32 x.
+  if (x.size(0) <= kMaxRows || x.size(1) % 2 != 0) return linear(x, qweight, scales, bias);
   TORCH_CHECK(bf16_tiles(), "modserve_int8.linear_bf16: this CPU has no AMX-BF16 tiles");
   TORCH_CHECK(x.scalar_type() == at::kFloat && qweight.scalar_type() == at::kChar && x.dim() == 2 &&
-                  x.size(1) == qweight.size(1) && x.size(1) % 2 == 0,
-              "modserve_int8.linear_bf16: float32 x [M, K], int8 qweight [N, K], K even");
+                  x.size(1) == qweight.size(1),
+              "modserve_int8.linear_bf16: float32 x [M, K], int8 qweight [N, K]");
   const int64_t M = x.size(0), K = x.size(1), N = qweight.size(0);
   const int64_t tokens = M <= kTokens / 2 ? kTokens / 2 : kTokens;
   const int64_t blocks = (M + tokens - 1) / tokens, padded = blocks * tokens;
