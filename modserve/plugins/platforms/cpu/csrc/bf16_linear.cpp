@@ -547,8 +547,8 @@ constexpr int64_t kPackedMaxRows = 256;  // beyond, a prefill's GEMM: the plain 
 // blocks of kTileCols output features, each [K / 2, kTileCols, 2] (oneDNN's VNNI pairs),
 // packed once at load. Up to kPackedMaxRows rows, x (rounded to bf16) is the brgemm's A
 // operand and each block of W its B, streamed from memory in order; the float32 sums land
-// in y directly. Against oneDNN's packed GEMM on the same layout's job this reads the
-// weights faster at every decode batch size and leaves the sums unrounded
+// in y directly, unrounded. Against oneDNN's packed GEMM of the weights in its own layout,
+// this read them faster at 2 to 16 rows, as fast at one and a little slower at 64
 // (scripts/linear_routes.py, docs/benchmarks.md).
 constexpr int64_t kTileCols = 64;
 constexpr int64_t kAmxRows = 16;  // rows of an AMX tile
@@ -584,8 +584,8 @@ at::Tensor tiles_linear(const at::Tensor& x, const at::Tensor& tiles, int64_t N,
   const int64_t M = x.size(0), K = x.size(1);
   if (M == 0) return at::zeros({0, N}, x.options().dtype(at::kFloat));
   // Rows padded to a whole tile of 16 (zeros in, discarded out): the tiles multiply 16 rows
-  // in the time of one, and oneDNN generates a ukernel for each row count it meets (a few
-  // milliseconds each), so every decode batch size would otherwise pay one on first use.
+  // in the time of one, and oneDNN generates a ukernel for each row count it meets, so every
+  // decode batch size would otherwise pay for one on first use.
   const int64_t rows = (M + kAmxRows - 1) / kAmxRows * kAmxRows;
   // x's rows a cache line further apart than K: rows 2^n bytes apart alias in L1 as tiles load them
   const int64_t lda = K + 32;
