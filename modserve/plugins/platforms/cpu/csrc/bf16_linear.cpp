@@ -552,9 +552,10 @@ constexpr int64_t kPackedMaxRows = 256;  // beyond, a prefill's GEMM: the plain 
 // (scripts/linear_routes.py, docs/benchmarks.md).
 constexpr int64_t kTileCols = 64;
 constexpr int64_t kAmxRows = 16;  // rows of an AMX tile
-// From kTilesChunkRows rows, each brgemm call takes kTilesChunk of K (x's chunk near L1 at 64
-// rows), the sums carried in y from chunk to chunk. Faster from 48 rows on the 1b's shapes;
-// below, a call per chunk costs more than x's reuse saves (docs/benchmarks.md).
+// Rows beyond one tile: from kTilesChunkRows rows, each brgemm call takes kTilesChunk of K (x's
+// chunk near L1 at 64 rows), the sums carried in y from chunk to chunk; below, a call per chunk
+// cost more than x's reuse saved, and the rows go a tile at a time over the whole of K instead
+// (docs/benchmarks.md). A K that is not a multiple of kTilesChunk is never chunked.
 constexpr int64_t kTilesChunk = 256;
 constexpr int64_t kTilesChunkRows = 48;
 
@@ -600,13 +601,20 @@ at::Tensor tiles_linear(const at::Tensor& x, const at::Tensor& tiles, int64_t N,
   const auto* ap = xb.data_ptr<at::BFloat16>();
   const auto* bp = tiles.data_ptr<at::BFloat16>();
   float* yp = y.data_ptr<float>();
+  const int64_t chunk = K % kTilesChunk == 0 ? kTilesChunk : K;
   at::parallel_for(0, tiles.size(0), 1, [&](int64_t begin, int64_t end) {
-    const int64_t chunk = rows >= kTilesChunkRows && K % kTilesChunk == 0 ? kTilesChunk : K;
     for (int64_t b = begin; b < end; ++b) {
       const int64_t n0 = b * kTileCols, cols = std::min(kTileCols, N - n0);
+      const at::BFloat16* block = bp + b * K * kTileCols;
+      if (rows < kTilesChunkRows) {  // one tile of rows at a time: the block is in L2 after the first
+        for (int64_t r0 = 0; r0 < rows; r0 += kAmxRows)
+          at::native::cpublas::brgemm(kAmxRows, cols, K, lda, kTileCols, N, /*add_C=*/false, ap + r0 * lda, block,
+                                      yp + r0 * N + n0);
+        continue;
+      }
       for (int64_t k0 = 0; k0 < K; k0 += chunk)
         at::native::cpublas::brgemm(rows, cols, chunk, lda, kTileCols, N, /*add_C=*/k0 > 0, ap + k0,
-                                    bp + b * K * kTileCols + k0 * kTileCols, yp + n0);
+                                    block + k0 * kTileCols, yp + n0);
     }
     at::native::cpublas::brgemm_release();
   });
