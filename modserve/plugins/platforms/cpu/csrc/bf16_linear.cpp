@@ -624,12 +624,14 @@ at::Tensor tiles_linear(const at::Tensor& x, const at::Tensor& tiles, int64_t N,
 }
 
 // y = x @ W.T for bf16 rows x and bfloat16 weights W, float32 sums rounded to bf16 (as a bf16
-// model's activations are): up to kDotMaxRows rows through the vdpbf16ps kernel above where
-// the CPU has AMX-era AVX512-BF16; more through oneDNN's bf16 GEMM on AMX tiles, up to
-// kPackedMaxRows from `packed`, W reordered once at load into oneDNN's blocked layout (a
-// GEMM of decode rows otherwise reorders W on every call), beyond from W itself. What a
-// compiled forward calls: the casts to and from bf16 stay in its graph, fused into the ops
-// before and after, so no float32 copy of an activation is made for the GEMM alone.
+// model's activations are). Where `packed` holds W in the AMX tiles' layout (pack_tiles), up
+// to kPackedMaxRows rows go through tiles_linear. Otherwise: up to kDotMaxRows rows through
+// the vdpbf16ps kernel above where the CPU has AMX-era AVX512-BF16; more through oneDNN's bf16
+// GEMM on AMX tiles, up to kPackedMaxRows from `packed`, W reordered once at load into
+// oneDNN's blocked layout (a GEMM of decode rows otherwise reorders W on every call), beyond
+// from W itself. What a compiled forward calls: the casts to and from bf16 stay in its graph,
+// fused into the ops before and after, so no float32 copy of an activation is made for the
+// GEMM alone.
 at::Tensor bf16_gemm(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& packed) {
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && weight.scalar_type() == at::kBFloat16 && x.dim() == 2 &&
                   x.size(1) == weight.size(1),
@@ -651,10 +653,10 @@ at::Tensor bf16_gemm(const at::Tensor& x, const at::Tensor& weight, const c10::o
 }
 
 // y = x @ W.T (+ b) for float32 rows x and bfloat16 weights W, with x rounded to bf16 and
-// float32 sums: bf16_gemm's routes, except that up to kDotMaxRows rows keep the dot kernel's
-// float32 output; beyond, oneDNN's output is rounded to bf16 and widened. The bias is added in
-// float32. The route for every row count on CPUs with AMX
-// (modserve/plugins/platforms/cpu/features.py); a native decode step's linears.
+// float32 sums: bf16_gemm's routes, except that the tiles (up to kPackedMaxRows rows) and the
+// dot kernel (up to kDotMaxRows) keep their float32 output unrounded; oneDNN's output is
+// rounded to bf16 and widened. The bias is added in float32. The route for every row count on
+// CPUs with AMX (modserve/plugins/platforms/cpu/features.py); a native decode step's linears.
 at::Tensor bf16_gemm_linear(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& packed,
                             const c10::optional<at::Tensor>& bias) {
   TORCH_CHECK(weight.scalar_type() == at::kBFloat16 && x.dim() == 2 && x.size(1) == weight.size(1),
