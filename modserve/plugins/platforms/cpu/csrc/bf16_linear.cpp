@@ -28,6 +28,7 @@
 #include <atomic>
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 namespace {
 
@@ -595,7 +596,12 @@ at::Tensor tiles_linear(const at::Tensor& x, const at::Tensor& tiles, int64_t N,
   const int64_t rows = (M + kAmxRows - 1) / kAmxRows * kAmxRows;
   // x's rows a cache line further apart than K: rows 2^n bytes apart alias in L1 as tiles load them
   const int64_t lda = K + 32;
-  at::Tensor xb = at::zeros({rows, lda}, x.options().dtype(at::kBFloat16));
+  // x in bf16, in this thread's scratch: zeroed when it grows, then only the first M rows are
+  // written, so a padding row holds zeros or an earlier call's finite values. Either way its
+  // output row is discarded; a fresh zeroed tensor per call cost a fill of every padding row.
+  thread_local std::vector<at::BFloat16> scratch;
+  if (scratch.size() < static_cast<size_t>(rows * lda)) scratch.assign(rows * lda, at::BFloat16(0.f));
+  at::Tensor xb = at::from_blob(scratch.data(), {rows, lda}, x.options().dtype(at::kBFloat16));
   xb.narrow(0, 0, M).narrow(1, 0, K).copy_(x);
   at::Tensor y = at::empty({rows, N}, x.options().dtype(at::kFloat));
   const auto* ap = xb.data_ptr<at::BFloat16>();
