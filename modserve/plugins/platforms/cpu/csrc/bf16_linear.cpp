@@ -597,8 +597,9 @@ at::Tensor tiles_linear(const at::Tensor& x, const at::Tensor& tiles, int64_t N,
   // x's rows a cache line further apart than K: rows 2^n bytes apart alias in L1 as tiles load them
   const int64_t lda = K + 32;
   // x in bf16, in this thread's scratch: zeroed when it grows, then only the first M rows are
-  // written, so a padding row holds zeros or an earlier call's finite values. Either way its
-  // output row is discarded; a fresh zeroed tensor per call cost a fill of every padding row.
+  // written, so a padding row holds zeros or an earlier call's x. Either way its output row,
+  // which depends on that row alone, is discarded; a fresh zeroed tensor per call cost a fill
+  // of every padding row.
   thread_local std::vector<at::BFloat16> scratch;
   if (scratch.size() < static_cast<size_t>(rows * lda)) scratch.assign(rows * lda, at::BFloat16(0.f));
   at::Tensor xb = at::from_blob(scratch.data(), {rows, lda}, x.options().dtype(at::kBFloat16));
