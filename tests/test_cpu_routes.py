@@ -113,14 +113,15 @@ def test_the_bf16_gemm_route_equals_a_reference_product_at_every_row_count(m, pa
 @pytest.mark.parametrize("n,k", [(64, 64), (200, 2048)])
 def test_the_tiles_layout_holds_every_weight_once(n, k):
     """A weight of whole 64-feature blocks and one with a partial last block, and K = 2048 (rows
-    of x 4 KiB apart; below 48 rows a tile of 16 rows at a time, from 48 K in chunks of 256): the
-    product from the tiles is the product of the weight."""
+    of x 4 KiB apart; up to 4 rows the vdpbf16ps kernel, then below 48 rows a tile of 16 rows at
+    a time, from 48 K in chunks of 256): the product from the tiles is the product of the
+    weight."""
     _kernels()
     g = torch.Generator().manual_seed(n + k)
     w = (torch.randn(n, k, generator=g) * 0.05).bfloat16()
     tiles = _layout("tiles", w)
     assert tiles.shape == (-(-n // 64), k * 64)
-    for m in (1, 16, 24, 40, 256):
+    for m in (1, 3, 16, 2, 24, 40, 256, 4):
         x = torch.randn(m, k, generator=g)
         y = torch.ops.modserve_cpu.bf16_gemm_linear(x, w, tiles, None)
         torch.testing.assert_close(y.double(), x.bfloat16().double() @ w.double().T, atol=1e-5, rtol=1e-5)
