@@ -113,7 +113,7 @@ def test_the_bf16_gemm_route_equals_a_reference_product_at_every_row_count(m, pa
 @pytest.mark.parametrize("n,k", [(64, 64), (200, 2048)])
 def test_the_tiles_layout_holds_every_weight_once(n, k):
     """A weight of whole 64-feature blocks and one with a partial last block, and K = 2048 (rows
-    of x 4 KiB apart; up to 4 rows the vdpbf16ps kernel, then below 48 rows a tile of 16 rows at
+    of x 4 KiB apart; one row by the vdpbf16ps kernel, then below 48 rows a tile of 16 rows at
     a time, from 48 K in chunks of 256): the product from the tiles is the product of the
     weight."""
     _kernels()

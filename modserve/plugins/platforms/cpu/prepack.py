@@ -86,7 +86,8 @@ def add_bf16_packed_weights(model: nn.Module) -> int:
     ``bf16_gemm`` route) a ``packed_weight`` that a GEMM of a decode batch reads without
     reordering the weight on every call: the AMX tiles' own layout where the CPU has AMX-BF16
     (``modserve_cpu::pack_tiles``; ``bf16_gemm_linear`` multiplies it by oneDNN's brgemm
-    ukernel), else oneDNN's blocked layout. Returns its bytes."""
+    ukernel, a single row by a ``vdpbf16ps`` loop), else oneDNN's blocked layout. Returns its
+    bytes."""
     tiles = bool(torch.ops.modserve_cpu.tiles_ready())
     total = 0
     for module in float_layers(model):

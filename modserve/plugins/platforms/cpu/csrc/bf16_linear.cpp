@@ -547,8 +547,8 @@ constexpr int64_t kPackedMaxRows = 256;  // beyond, a prefill's GEMM: the plain 
 // The AMX tiles' own layout of W (where the CPU has AMX-BF16: torch's cpublas::could_pack):
 // blocks of kTileCols output features, each [K / 2, kTileCols, 2] (oneDNN's VNNI pairs),
 // packed once at load. Up to kPackedMaxRows rows, x (rounded to bf16) is the brgemm's A
-// operand and each block of W its B, streamed from memory in order (up to kTilesDotRows
-// rows, vdpbf16ps reads the blocks instead, below); the float32 sums land in y directly,
+// operand and each block of W its B, streamed from memory in order (one row: vdpbf16ps
+// reads the blocks instead, below); the float32 sums land in y directly,
 // unrounded. Against oneDNN's packed GEMM of the weights in its own layout,
 // this read them faster at 2 to 16 rows, as fast at one and a little slower at 64
 // (scripts/linear_routes.py, docs/benchmarks.md).
@@ -561,65 +561,48 @@ constexpr int64_t kAmxRows = 16;  // rows of an AMX tile
 constexpr int64_t kTilesChunk = 256;
 constexpr int64_t kTilesChunkRows = 48;
 
-// Up to kTilesDotRows rows (where the CPU has AVX512-BF16, as every CPU with AMX does),
-// vdpbf16ps reads the tiles' blocks instead of the brgemm: each block streamed once, in
-// order, with a software prefetch kTilesPrefetch bytes ahead of the loads, which the
-// brgemm's tile loads have no place for. Without it the hardware prefetchers alone kept a
-// thread's reads of the weights well below a loop of plain loads' pace (docs/benchmarks.md).
-constexpr int64_t kTilesDotRows = 4;
+// One row (a single stream's decode step, where the CPU has AVX512-BF16, as every CPU with
+// AMX does) is read by vdpbf16ps instead of the brgemm: each block streamed once, in order,
+// with a software prefetch kTilesPrefetch bytes ahead of the loads, which the brgemm's tile
+// loads have no place for. The hardware prefetchers alone kept the brgemm's reads of the
+// weights below a plain sum's pace over memory, the more so the slower the machine's memory
+// ran that day (docs/benchmarks.md). From two rows the brgemm reads as fast as at one, and
+// the dot products' cost grows with the rows.
 constexpr int64_t kTilesPrefetch = 2048;
 
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
-// y[r, 0 : cols] (r < R) = x[r] . W's block for R rows of x as bf16 pairs [R, ldx] and one
-// block of W's tiles ([K / 2, kTileCols, 2] bf16): float32 sums of exact products, K in order.
-template <int64_t R>
-void tiles_dot_block(const uint32_t* x, int64_t ldx, const at::BFloat16* block, int64_t K, float* y, int64_t ldy,
-                     int64_t cols) {
+// y[0 : cols] = x . W's block, for one row x as bf16 pairs [K / 2] and one block of W's tiles
+// ([K / 2, kTileCols, 2] bf16): float32 sums of exact products, K in order.
+void tiles_dot_block(const uint32_t* x, const at::BFloat16* block, int64_t K, float* y, int64_t cols) {
   static_assert(kTileCols == 64, "a block's K pair is four 16-float vectors");
-  __m512 acc[R][4];
-  for (int64_t r = 0; r < R; ++r)
-    for (int64_t j = 0; j < 4; ++j) acc[r][j] = _mm512_setzero_ps();
+  __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
   const char* w = reinterpret_cast<const char*>(block);
   for (int64_t kp = 0; kp < K / 2; ++kp, w += 256) {  // 256 bytes: one K pair of 64 features
     _mm_prefetch(w + kTilesPrefetch, _MM_HINT_T0);
     _mm_prefetch(w + kTilesPrefetch + 64, _MM_HINT_T0);
     _mm_prefetch(w + kTilesPrefetch + 128, _MM_HINT_T0);
     _mm_prefetch(w + kTilesPrefetch + 192, _MM_HINT_T0);
-    __m512bh wv[4];
-    for (int64_t j = 0; j < 4; ++j) wv[j] = (__m512bh)_mm512_loadu_si512(w + 64 * j);
-    for (int64_t r = 0; r < R; ++r) {
-      const __m512bh xv = (__m512bh)_mm512_set1_epi32(static_cast<int>(x[r * ldx + kp]));
-      for (int64_t j = 0; j < 4; ++j) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], wv[j], xv);
-    }
+    const __m512bh xv = (__m512bh)_mm512_set1_epi32(static_cast<int>(x[kp]));
+    for (int64_t j = 0; j < 4; ++j) acc[j] = _mm512_dpbf16_ps(acc[j], (__m512bh)_mm512_loadu_si512(w + 64 * j), xv);
   }
   for (int64_t j = 0; j < 4; ++j) {
     const int64_t lanes = std::clamp<int64_t>(cols - 16 * j, 0, 16);  // a partial last block stores its features
-    const __mmask16 m = static_cast<__mmask16>((1u << lanes) - 1);
-    for (int64_t r = 0; r < R; ++r) _mm512_mask_storeu_ps(y + r * ldy + 16 * j, m, acc[r][j]);
+    _mm512_mask_storeu_ps(y + 16 * j, static_cast<__mmask16>((1u << lanes) - 1), acc[j]);
   }
 }
 
-// y [rows, N] (its first M <= kTilesDotRows rows) from x [rows, lda] bf16 and W's tiles.
-void tiles_dot(const at::BFloat16* x, int64_t lda, const at::BFloat16* tiles, int64_t blocks, int64_t M, int64_t K,
-               int64_t N, float* y) {
+// y [N] from one row x [K] bf16 and W's tiles.
+void tiles_dot(const at::BFloat16* x, const at::BFloat16* tiles, int64_t blocks, int64_t K, int64_t N, float* y) {
   const auto* xp = reinterpret_cast<const uint32_t*>(x);
   // A fixed split: each thread's blocks are contiguous, so the prefetch past the end of one
   // fetches the start of the thread's next.
   at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t b = begin; b < end; ++b) {
-      const int64_t n0 = b * kTileCols, cols = std::min(kTileCols, N - n0);
-      const at::BFloat16* block = tiles + b * K * kTileCols;
-      // 2 and 3 rows as 4 (x and y hold whole tiles of rows): the loads, not the products,
-      // set the pace, and 2 rows read no faster than 4
-      if (M == 1)
-        tiles_dot_block<1>(xp, lda / 2, block, K, y + n0, N, cols);
-      else
-        tiles_dot_block<kTilesDotRows>(xp, lda / 2, block, K, y + n0, N, cols);
-    }
+    for (int64_t b = begin; b < end; ++b)
+      tiles_dot_block(xp, tiles + b * K * kTileCols, K, y + b * kTileCols, std::min(kTileCols, N - b * kTileCols));
   });
 }
 #else
-void tiles_dot(const at::BFloat16*, int64_t, const at::BFloat16*, int64_t, int64_t, int64_t, int64_t, float*) {
+void tiles_dot(const at::BFloat16*, const at::BFloat16*, int64_t, int64_t, int64_t, float*) {
   TORCH_CHECK(false, "tiles_dot: built for a CPU without AVX512-BF16");
 }
 #endif
@@ -694,8 +677,8 @@ at::Tensor tiles_linear(const at::Tensor& x, const at::Tensor& tiles, int64_t N,
   const auto* ap = xb.data_ptr<at::BFloat16>();
   const auto* bp = tiles.data_ptr<at::BFloat16>();
   float* yp = y.data_ptr<float>();
-  if (kHaveDot && M <= kTilesDotRows)
-    tiles_dot(ap, lda, bp, tiles.size(0), M, K, N, yp);
+  if (kHaveDot && M == 1)
+    tiles_dot(ap, bp, tiles.size(0), K, N, yp);
   else
     tiles_brgemm(ap, lda, bp, tiles.size(0), rows, K, N, yp);
   y = y.narrow(0, 0, M);  // contiguous: the first M rows
