@@ -6,7 +6,7 @@ the model loads them, and the LM head) quantized as ``int8`` does, in huge pages
 gives them (as the cpu platform's weights are). One pass calls ``modserve_int8::linear`` on
 every linear in turn, as a decode step does; its bytes are the int8 weights once (16 rows
 read them twice, in two passes of 8). The ceiling is what ``bench latency`` divides by: the
-copy bandwidth of ``modserve.bench.plan.measure_cpu``, measured here at each thread count.
+read bandwidth of ``modserve.bench.plan.measure_cpu``, measured here at each thread count.
 
 Per pass: wall time, and CPU time (one thread: the calling thread's, which leaves out time
 slices other processes take on a shared machine; more threads: the process's, per thread).
@@ -94,7 +94,7 @@ def main() -> int:
     args = ap.parse_args()
     import torch
 
-    from modserve.bench.plan import _bandwidth_buffers, measure_cpu
+    from modserve.bench.plan import measure_cpu, read_buffer
     from modserve.quantizers.int8 import load_cpu_kernel
 
     if problem := load_cpu_kernel():
@@ -133,10 +133,10 @@ def main() -> int:
     for threads in args.threads:
         torch.set_num_threads(threads)
         ceiling = measure_cpu(seconds=0.5).bandwidth
-        src, dst = _bandwidth_buffers(256 << 20)  # measure_cpu's copy, timed by CPU time
-        copies = [cpu_time(lambda: dst.copy_(src), threads) for _ in range(args.repeats)]
-        ceiling_cpu = 2 * src.nbytes / statistics.median(copies)
-        del src, dst
+        buffer = read_buffer()  # measure_cpu's read, timed by CPU time
+        reads = [cpu_time(buffer.sum, threads) for _ in range(args.repeats)]
+        ceiling_cpu = buffer.nbytes / statistics.median(reads)
+        del buffer
         for m in args.rows:
             for op in ops.values():
                 one_pass(op, m)  # warm-up
@@ -145,8 +145,8 @@ def main() -> int:
             for m in args.rows:
                 for name, op in ops.items():
                     times[name, m].append(one_pass(op, m))
-        print(f"\n{threads} thread(s): ceiling {ceiling / 1e9:.1f} GB/s (measure_cpu's copy bandwidth, wall), "
-              f"{ceiling_cpu / 1e9:.1f} GB/s (the same copy by CPU time); load average {os.getloadavg()[0]:.2f}; "
+        print(f"\n{threads} thread(s): ceiling {ceiling / 1e9:.1f} GB/s (measure_cpu's read bandwidth, wall), "
+              f"{ceiling_cpu / 1e9:.1f} GB/s (the same read by CPU time); load average {os.getloadavg()[0]:.2f}; "
               f"median of {args.repeats} interleaved repeats")
         print("| kernel | rows | ms wall | GB/s wall | % of wall ceiling | ms CPU per thread | GB/s by CPU time "
               "| % of CPU-time ceiling |")

@@ -19,9 +19,9 @@ time of ``--repeats`` interleaved passes and the bf16 weight bytes per second, n
 on a shared machine: the calling thread's with one thread; with N, the process's divided by
 N (a pass's time on N cores of its own; run with ``OMP_WAIT_POLICY=passive``, so that waiting
 threads do not spin). Before and after the table it prints the memory bandwidth ``bench
-latency`` divides by (its cpu single-stream ceiling: the best 256 MiB copy, wall-clock), the
-rate of reading memory alone (the best float32 sum over 1 GiB), and, with ``--clock cpu``, the
-copy timed by that clock. This is how
+latency`` divides by (its cpu single-stream ceiling: the best float32 sum beyond the last-level
+cache, wall-clock), a 256 MiB copy's rate beside it, and, with ``--clock cpu``, the read timed by
+that clock. This is how
 ``kDotMaxRows`` and the few-rows kernel's width in ``csrc/bf16_linear.cpp`` were chosen.
 """
 
@@ -37,7 +37,7 @@ from typing import Callable
 
 import torch
 
-from modserve.bench.plan import _bandwidth_buffers, measure_cpu
+from modserve.bench.plan import copy_buffers, measure_cpu, read_buffer
 from modserve.plugins.platforms.cpu.features import cpu_features
 from modserve.plugins.platforms.cpu.huge_pages import huge_page_buffer
 from modserve.plugins.platforms.cpu.linear import FEW_ROWS, load_few_rows_kernel
@@ -149,32 +149,29 @@ def cpu_clock(threads: int) -> Callable[[], float]:
     return time.thread_time if threads == 1 else lambda: time.process_time() / threads
 
 
-def read_bandwidth(repeats: int = 5) -> float:
-    """Bytes per second of reading memory alone, wall-clock: the best of ``repeats`` sums over
-    1 GiB of float32 in huge pages (a decode step reads its weights and writes next to nothing)."""
-    buffer = huge_page_buffer(1 << 30).view(torch.float32).fill_(1.0)
-    best = float("inf")
-    for _ in range(repeats + 1):
-        start = time.perf_counter()
-        buffer.sum()
-        best = min(best, time.perf_counter() - start)
-    return buffer.numel() * 4 / best
-
-
 def ceiling(clock: Callable[[], float] | None) -> str:
-    """The bandwidth ``bench latency``'s cpu ceiling divides by (:func:`measure_cpu`'s best copy,
-    wall-clock) and, given ``clock``, the same copy's best of 10 timed by it."""
-    line = (f"memory: {measure_cpu().bandwidth / 1e9:.1f} GB/s (bench latency's cpu ceiling: best 256 MiB copy); "
-            f"read {read_bandwidth() / 1e9:.1f} GB/s (best float32 sum of 1 GiB in 2 MiB pages)")
+    """The bandwidth ``bench latency``'s cpu ceiling divides by (:func:`measure_cpu`'s best read,
+    wall-clock), a 256 MiB copy's beside it, and, given ``clock``, the read's best of 10 timed by it."""
+    src, dst = copy_buffers(256 << 20)
+    copy = 2 * src.nbytes / min(_timed(lambda: dst.copy_(src), time.perf_counter))
+    del src, dst
+    line = (f"memory: read {measure_cpu().bandwidth / 1e9:.1f} GB/s (bench latency's cpu ceiling: best float32 sum "
+            f"beyond the last-level cache); copy {copy / 1e9:.1f} GB/s (best of 256 MiB)")
     if clock is None:
         return line
-    src, dst = _bandwidth_buffers(256 << 20)
+    buffer = read_buffer()
+    return line + f"; the same read in CPU time: {buffer.nbytes / min(_timed(buffer.sum, clock)) / 1e9:.1f} GB/s"
+
+
+def _timed(fn: Callable[[], object], clock: Callable[[], float], repeats: int = 10) -> list[float]:
+    """``repeats`` times of ``fn`` after one untimed call."""
+    fn()
     times = []
-    for _ in range(11):
+    for _ in range(repeats):
         start = clock()
-        dst.copy_(src)
+        fn()
         times.append(clock() - start)
-    return line + f"; the same copy in CPU time: {2 * src.nbytes / min(times[1:]) / 1e9:.1f} GB/s"
+    return times
 
 
 if __name__ == "__main__":

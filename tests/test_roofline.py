@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from modserve.bench.plan import HARDWARE, ModelShape
 from modserve.bench.roofline import attention_flops, compute_fraction, linear_flops_per_token, request_flops
@@ -48,3 +49,31 @@ def test_bench_throughput_reports_its_fraction_of_the_compute_ceiling(llama_dir,
     expected = 4 * request_flops(shape, 16, 4) / figures["modserve"][0]["wall s"] / HARDWARE["h100"].flops_32
     assert figures["compute_ceiling_fraction"] == pytest.approx(expected)
     assert "of the h100 compute ceiling of 67.000 TFLOP/s" in capsys.readouterr().out
+
+
+def test_the_cpu_bandwidth_is_a_read_beyond_the_last_level_cache(tmp_path, monkeypatch):
+    """``measure_cpu``'s bandwidth, the decode ceiling ``bench latency`` divides by, reads twice
+    the largest cache (sysfs sizes in K, M or G), at least READ_MIN_BYTES: a sum of a buffer
+    the cache holds would time the cache."""
+    from modserve.bench import plan
+
+    for index, (level, size) in enumerate([(1, "48K"), (1, "64K"), (2, "2048K"), (3, "491520K")]):
+        (tmp_path / f"index{index}").mkdir()
+        (tmp_path / f"index{index}" / "level").write_text(f"{level}\n")
+        (tmp_path / f"index{index}" / "size").write_text(f"{size}\n")
+    assert plan.last_level_cache_bytes(tmp_path) == 480 << 20
+    (tmp_path / "index4").mkdir()
+    (tmp_path / "index4" / "level").write_text("4\n")
+    (tmp_path / "index4" / "size").write_text("1G\n")
+    assert plan.last_level_cache_bytes(tmp_path) == 1 << 30
+    assert plan.last_level_cache_bytes(tmp_path / "absent") == 0
+
+    monkeypatch.setattr(plan, "READ_MIN_BYTES", 4 << 20)
+    monkeypatch.setattr(plan, "last_level_cache_bytes", lambda: 3 << 20)
+    buffer = plan.read_buffer()
+    assert buffer.nbytes == 6 << 20 and bool((buffer == 1).all())
+    monkeypatch.setattr(plan, "last_level_cache_bytes", lambda: 1 << 20)
+    assert plan.read_buffer().nbytes == 4 << 20
+    read = []
+    monkeypatch.setattr(plan, "read_buffer", lambda: read.append(1) or torch.ones(1 << 20))
+    assert plan.measure_cpu(seconds=0.01).bandwidth > 0 and read == [1]

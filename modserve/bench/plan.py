@@ -276,10 +276,12 @@ def plan(shape: ModelShape, hw: Hardware, dtype: str | None = None, kv_dtype: st
 
 
 def measure_cpu(dtype: str = "float32", seconds: float = 0.5) -> Hardware:
-    """This machine: available memory, copy bandwidth (read + write) of a 256 MiB buffer, and
-    the matmul rate of 1024^2 GEMMs in ``dtype``, each the best of repeated tries. The buffers
-    are in huge pages where the OS gives them, as the cpu platform's weights are: in 4 KiB
-    pages the 2-core Zen 4 VM copied at 32.7 GB/s, in 2 MiB pages at 37.2."""
+    """This machine: available memory, the rate of reading memory, and the matmul rate of
+    1024^2 GEMMs in ``dtype``, each the best of repeated tries. The bandwidth is a float32
+    sum over :func:`read_buffer` (beyond the last-level cache, in huge pages where the OS
+    gives them, as the cpu platform's weights are): a decode step reads its weights and
+    writes next to nothing; a copy, which also writes, runs slower than a read, and decodes
+    read faster than a copy's ceiling (docs/benchmarks.md)."""
     import torch
 
     def best(fn, budget: float) -> float:
@@ -291,8 +293,9 @@ def measure_cpu(dtype: str = "float32", seconds: float = 0.5) -> Hardware:
             times.append(time.perf_counter() - start)
         return min(times)
 
-    src, dst = _bandwidth_buffers(256 << 20)
-    bandwidth = 2 * src.nbytes / best(lambda: dst.copy_(src), seconds)
+    buffer = read_buffer()
+    bandwidth = buffer.nbytes / best(buffer.sum, seconds)
+    del buffer
     torch_dtype = getattr(torch, dtype) if dtype in ("float32", "bfloat16", "float16") else torch.float32
     a = torch.randn(1024, 1024).to(torch_dtype)
     rate = 2 * 1024**3 / best(lambda: torch.mm(a, a), seconds)
@@ -301,15 +304,50 @@ def measure_cpu(dtype: str = "float32", seconds: float = 0.5) -> Hardware:
     return Hardware("cpu", float(memory), bandwidth, rate, None, rate)
 
 
-def _bandwidth_buffers(nbytes: int) -> tuple["torch.Tensor", "torch.Tensor"]:  # 2 x [nbytes / 4] float32
+READ_MIN_BYTES = 1 << 30
+
+
+def read_buffer() -> "torch.Tensor":  # [n] float32, all ones
+    """What :func:`measure_cpu` reads: twice the last-level cache, at least ``READ_MIN_BYTES``,
+    so that a sum of it streams from memory, not from cache."""
+    import torch
+
+    nbytes = max(READ_MIN_BYTES, 2 * last_level_cache_bytes())
+    return _huge_or_plain(nbytes).view(torch.float32).fill_(1.0)
+
+
+def last_level_cache_bytes(cpu: Path = Path("/sys/devices/system/cpu/cpu0/cache")) -> int:
+    """The size of CPU 0's highest-level cache (sysfs), 0 where it cannot be read."""
+    sizes: dict[int, int] = {}
+    for index in cpu.glob("index*"):
+        try:
+            level = int((index / "level").read_text())
+            size = (index / "size").read_text().strip()
+        except (OSError, ValueError):
+            continue
+        units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+        sizes[level] = max(sizes.get(level, 0),
+                           int(size[:-1]) * units[size[-1]] if size[-1] in units else int(size))
+    return sizes[max(sizes)] if sizes else 0
+
+
+def _huge_or_plain(nbytes: int) -> "torch.Tensor":  # [nbytes] uint8
     import torch
 
     from modserve.plugins.platforms.cpu.huge_pages import huge_page_buffer
 
     try:
-        src, dst = (huge_page_buffer(nbytes).view(torch.float32) for _ in range(2))
+        return huge_page_buffer(nbytes)
     except (OSError, AttributeError):  # no madvise here: ordinary pages
-        src, dst = torch.empty(nbytes // 4), torch.empty(nbytes // 4)
+        return torch.empty(nbytes, dtype=torch.uint8)
+
+
+def copy_buffers(nbytes: int) -> tuple["torch.Tensor", "torch.Tensor"]:  # 2 x [nbytes / 4] float32
+    """A source of ones and a zeroed destination, for timing a copy (the scripts print one
+    beside the read rate)."""
+    import torch
+
+    src, dst = (_huge_or_plain(nbytes).view(torch.float32) for _ in range(2))
     return src.fill_(1.0), dst.zero_()
 
 
