@@ -99,16 +99,22 @@ def test_compile_auto_stays_off_for_small_models(bf16_reference):
 @pytest.mark.parametrize("quantization", [None, "int8"])
 def test_no_request_compiles_after_start(bf16_reference, quantization):
     """The start-up warm-up makes every graph a request needs (layers and logits, one row
-    and several), so no request stalls on a compile. A fresh process: dynamo's graphs are
-    per process, and this module's other tests have made them all already."""
+    and several), so no request stalls on a compile; nor does the first prompt long enough to
+    grow the step's staging buffers (4,096 values: 3 per token and more) past their start-up
+    size, which a step makes in inference mode. A fresh process: dynamo's graphs are per
+    process, and this module's other tests have made them all already."""
     code = (
         "import sys, torch\n"
         "from modserve import LLM, SamplingParams\n"
         f"llm = LLM(sys.argv[1], compile='on', num_kv_blocks=128, progress=False, quantization={quantization!r})\n"
         "torch.compiler.set_stance('fail_on_recompile')\n"
         "p = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)\n"
-        "llm.generate([[5, 6, 7], [8, 9]], p, use_tqdm=False)\n"
-        "llm.generate([[5, 6, 7]], p, use_tqdm=False)\n"
+        "outs = llm.generate([[5, 6, 7], [8, 9]], p, use_tqdm=False)\n"
+        "outs += llm.generate([[5, 6, 7]], p, use_tqdm=False)\n"
+        "outs += llm.generate([[i % 4000 + 5 for i in range(1500)], [8, 9]], p, use_tqdm=False)\n"
+        # a compile that fails a step fails its requests (finish_reason error), not the process
+        "print([(len(o.outputs[0].token_ids), o.outputs[0].finish_reason) for o in outs])\n"
     )
     done = subprocess.run([sys.executable, "-c", code, bf16_reference[0]], capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip().splitlines()[-1] == str([(3, "length")] * 5), done.stderr[-3000:]

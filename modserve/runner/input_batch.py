@@ -202,7 +202,11 @@ class Staging:
 
     def __init__(self, size: int) -> None:
         self.array = np.zeros(size, dtype=np.int64)
-        self.tensor = torch.from_numpy(self.array)
+        # A normal tensor even when a step (in inference mode) grows the buffer: the compiled
+        # forward's guards include its inputs' dispatch keys, and an inference tensor's differ
+        # from the buffers' made at start-up, so the first step past their size recompiled.
+        with torch.inference_mode(False):
+            self.tensor = torch.from_numpy(self.array)
         self._layout: tuple[int, int, int] | None = None
         self.table: tuple[int, int, int, int] | None = None  # (InputBatch._version, offset, n, width) staged
         self._views: tuple[torch.Tensor, ...] = ()
