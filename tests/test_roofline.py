@@ -66,6 +66,10 @@ def test_the_cpu_bandwidth_is_a_read_beyond_the_last_level_cache(tmp_path, monke
     (tmp_path / "index4" / "level").write_text("4\n")
     (tmp_path / "index4" / "size").write_text("1G\n")
     assert plan.last_level_cache_bytes(tmp_path) == 1 << 30
+    (tmp_path / "index5").mkdir()
+    (tmp_path / "index5" / "level").write_text("5\n")
+    (tmp_path / "index5" / "size").write_text("\n")  # unreadable: skipped
+    assert plan.last_level_cache_bytes(tmp_path) == 1 << 30
     assert plan.last_level_cache_bytes(tmp_path / "absent") == 0
 
     monkeypatch.setattr(plan, "READ_MIN_BYTES", 4 << 20)

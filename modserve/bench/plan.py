@@ -318,16 +318,16 @@ def read_buffer() -> "torch.Tensor":  # [n] float32, all ones
 
 def last_level_cache_bytes(cpu: Path = Path("/sys/devices/system/cpu/cpu0/cache")) -> int:
     """The size of CPU 0's highest-level cache (sysfs), 0 where it cannot be read."""
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
     sizes: dict[int, int] = {}
     for index in cpu.glob("index*"):
         try:
             level = int((index / "level").read_text())
             size = (index / "size").read_text().strip()
+            nbytes = int(size[:-1]) * units[size[-1]] if size[-1:] in units else int(size)
         except (OSError, ValueError):
             continue
-        units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
-        sizes[level] = max(sizes.get(level, 0),
-                           int(size[:-1]) * units[size[-1]] if size[-1] in units else int(size))
+        sizes[level] = max(sizes.get(level, 0), nbytes)
     return sizes[max(sizes)] if sizes else 0
 
 
