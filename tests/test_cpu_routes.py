@@ -4,6 +4,10 @@ whatever CPU runs the tests (a route a CPU lacks the instructions for is skipped
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
@@ -91,7 +95,7 @@ def _layout(packed: str, w: torch.Tensor) -> torch.Tensor | None:
 
 
 @pytest.mark.parametrize("packed", ["plain", "onednn", "tiles"])
-@pytest.mark.parametrize("m", [1, 3, 4, 17, 64, 300])
+@pytest.mark.parametrize("m", [1, 3, 4, 17, 64, 257, 300, 304])
 def test_the_bf16_gemm_route_equals_a_reference_product_at_every_row_count(m, packed):
     """Up to three rows the dot kernel (where built), more oneDNN's bf16 GEMM, whose output is
     rounded to bf16, from the weight packed at load up to 256 rows: all within a bf16 rounding
@@ -108,6 +112,38 @@ def test_the_bf16_gemm_route_equals_a_reference_product_at_every_row_count(m, pa
     if packed == "tiles" and m <= 256:
         exact = x.bfloat16().double() @ w.double().T + bias.double()
         torch.testing.assert_close(y.double(), exact, atol=1e-5, rtol=1e-5)
+
+
+def test_prefill_rows_share_onednns_kernels():
+    """Beyond 256 rows (a prefill), the GEMM's rows are padded to a multiple of 16: oneDNN
+    makes a kernel per row count on its first call, so 289, 300 and 304 rows share one
+    (``ONEDNN_VERBOSE=all`` logs each primitive made as ``create:cache_miss``), and 305 makes
+    the next. A fresh process: oneDNN's primitive cache is per process."""
+    _kernels()
+    code = (
+        "import torch\n"
+        "from modserve.plugins.platforms.cpu.linear import load_few_rows_kernel\n"
+        "assert load_few_rows_kernel()\n"
+        "w = torch.randn(96, 160).bfloat16()\n"
+        "for m in (289, 300, 304, 305):\n"
+        "    x = torch.randn(m, 160).bfloat16()\n"
+        "    y = torch.ops.modserve_cpu.bf16_gemm(x, w, None)\n"
+        "    assert y.shape == (m, 96) and y.is_contiguous()\n"
+        "    torch.testing.assert_close(y.double(), x.double() @ w.double().t(), atol=1e-2, rtol=8e-3)\n"
+        "    print('done', m, flush=True)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "ONEDNN_VERBOSE": "all"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    made, counts = {}, []
+    for line in done.stdout.splitlines():
+        if line.startswith("done"):
+            counts.append(sum(made.values()))
+        elif "create:cache_miss" in line and ",matmul," in line:
+            made[line] = made.get(line, 0) + 1
+    assert len(counts) == 4 and counts[0] >= 1, done.stdout[-3000:]
+    assert counts[2] == counts[0], "289, 300 and 304 rows should share one kernel"
+    assert counts[3] > counts[2], "305 rows pads to 320: a new kernel"
 
 
 @pytest.mark.parametrize("n,k", [(64, 64), (200, 2048)])

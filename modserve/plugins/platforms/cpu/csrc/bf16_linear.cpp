@@ -686,6 +686,23 @@ at::Tensor tiles_linear(const at::Tensor& x, const at::Tensor& tiles, int64_t N,
   return y;
 }
 
+// Prefill rows are padded to a multiple of kPrefillRows for oneDNN's GEMM. oneDNN makes (JIT)
+// a kernel for every new row count and weight shape, on that count's first call, and its
+// primitive cache holds a bounded number of them (1,024 by default): a server's prompts of
+// every length paid for new kernels again and again (docs/benchmarks.md). Padded, prefills
+// of up to R rows make at most R / kPrefillRows kernels per weight shape; the zero rows cost
+// at most kPrefillRows - 1 rows of work, and their outputs are dropped.
+constexpr int64_t kPrefillRows = 16;  // an AMX tile's rows
+
+at::Tensor prefill_mm(const at::Tensor& x, const at::Tensor& weight) {  // x [M, K] bf16 -> [M, N] bf16
+  const int64_t M = x.size(0), padded = (M + kPrefillRows - 1) / kPrefillRows * kPrefillRows;
+  if (padded == M) return at::mm(x, weight.t());
+  at::Tensor xp = at::empty({padded, x.size(1)}, x.options());
+  xp.narrow(0, 0, M).copy_(x);
+  xp.narrow(0, M, padded - M).zero_();
+  return at::mm(xp, weight.t()).narrow(0, 0, M);  // the first M rows: contiguous
+}
+
 // y = x @ W.T for bf16 rows x and bfloat16 weights W, float32 sums rounded to bf16 (as a bf16
 // model's activations are). Where `packed` holds W in the AMX tiles' layout (pack_tiles), up
 // to kPackedMaxRows rows go through tiles_linear. Otherwise: up to kDotMaxRows rows through
@@ -712,7 +729,7 @@ at::Tensor bf16_gemm(const at::Tensor& x, const at::Tensor& weight, const c10::o
                               c10::optional<c10::string_view>)>();
     return linear_pointwise.call(x, *packed, c10::nullopt, "none", c10::List<c10::optional<at::Scalar>>(), "");
   }
-  return at::mm(x, weight.t());
+  return prefill_mm(x, weight);
 }
 
 // y = x @ W.T (+ b) for float32 rows x and bfloat16 weights W, with x rounded to bf16 and
