@@ -38,6 +38,10 @@ class Server:
                 out[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
         return out
 
+    def load(self) -> int:
+        """Requests in flight: accepted and not ended (vLLM's ``/load``)."""
+        return httpx.get(f"{self.url}/load").json()["server_load"]
+
 
 def free_port() -> int:
     with socket.socket() as s:

@@ -37,6 +37,7 @@ from modserve.server.replicas import ReplicaSet, Router, SplitStream, build_engi
 MODEL = "tiny-dp"
 BLOCK = 16
 GREEDY = dict(temperature=0.0, max_tokens=12, extra_body={"ignore_eos": True})
+IN_FLIGHT_TOKENS = 900  # with a 72-token prompt, near the servers' --max-model-len 1024
 
 
 # -- the router, alone ------------------------------------------------------------------------------
@@ -277,40 +278,46 @@ def shared_prefix_requests(rng: random.Random, num_prefixes: int, per_prefix: in
             for _ in range(per_prefix) for k in range(num_prefixes)]
 
 
-def run_in_flight(server: Server, prompts: list[list[int]], max_tokens: int) -> None:
+def run_in_flight(server: Server, prompts: list[list[int]]) -> None:
     """Open one stream per prompt, in order, each read to its first piece of text (its prompt
     is computed, its blocks are in the prefix cache) before the next is sent, so every routing
-    decision sees the ones before it in flight; then read them all to the end."""
+    decision sees the ones before it in flight; then close them all and wait until the server
+    has none in flight. ``IN_FLIGHT_TOKENS`` is far more than a request can make while the
+    others are sent: the load router's counts must not change because one ended early."""
     client = server.client()
     streams = []
-    for p in prompts:
-        stream = iter(client.completions.create(model=MODEL, prompt=p, stream=True, temperature=0.0,
-                                                max_tokens=max_tokens, extra_body={"ignore_eos": True}))
-        next(stream)
-        streams.append(stream)
-    for stream in streams:
-        for _ in stream:
-            pass
+    try:
+        for p in prompts:
+            stream = client.completions.create(model=MODEL, prompt=p, stream=True, temperature=0.0,
+                                               max_tokens=IN_FLIGHT_TOKENS, extra_body={"ignore_eos": True})
+            streams.append(stream)
+            next(iter(stream))
+        assert server.load() == len(prompts)  # none ended while the others were sent
+    finally:
+        for stream in streams:
+            stream.close()  # the server aborts a request whose client went away
+    wait_for(lambda: server.load() == 0)
 
 
 _request_ids = itertools.count()
 
 
-def in_flight_hits(llm: LLM, prompts: list[list[int]], max_tokens: int) -> int:
+def in_flight_hits(llm: LLM, prompts: list[list[int]]) -> int:
     """``run_in_flight`` on the offline engine: each request stepped to its first token before
-    the next is added, then all to the end; the prefix-cache hit tokens that counted."""
+    the next is added, then all aborted; the prefix-cache hit tokens that counted."""
     engine = llm.engine
     start = engine.stats()["allocator_prefix_hit_tokens"]
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=IN_FLIGHT_TOKENS, ignore_eos=True)
+    rids = []
     for p in prompts:
-        rid = f"in-flight-{next(_request_ids)}"
-        engine.add_request(rid, p, params)
-        while not any(o.request_id == rid and o.outputs[0].token_ids for o in engine.step()):
+        rids.append(f"in-flight-{next(_request_ids)}")
+        engine.add_request(rids[-1], p, params)
+        while not any(o.request_id == rids[-1] and o.outputs[0].token_ids for o in engine.step()):
             pass
-    while engine.has_unfinished_requests():
-        engine.step()
+    for rid in rids:
+        engine.abort_request(rid)
+    assert not engine.has_unfinished_requests()
     return engine.stats()["allocator_prefix_hit_tokens"] - start
-
 
 
 def test_prefix_routing_keeps_each_prefix_on_one_replica(servers, one_engine):
@@ -325,13 +332,13 @@ def test_prefix_routing_keeps_each_prefix_on_one_replica(servers, one_engine):
     order = [1, 0, 3, 2, 5, 4, 7, 6]
     hits: dict[str, list[float]] = {}
     key = "modserve_prefix_cache_hit_tokens_total"
-    hits["single"] = [in_flight_hits(one_engine, [p for _, p in first], max_tokens=200),
-                      in_flight_hits(one_engine, [second[i][1] for i in order], max_tokens=200)]
+    hits["single"] = [in_flight_hits(one_engine, [p for _, p in first]),
+                      in_flight_hits(one_engine, [second[i][1] for i in order])]
     for name, server in servers.items():
         start = server.metrics()
-        run_in_flight(server, [p for _, p in first], max_tokens=200)
+        run_in_flight(server, [p for _, p in first])
         middle = server.metrics()
-        run_in_flight(server, [second[i][1] for i in order], max_tokens=200)
+        run_in_flight(server, [second[i][1] for i in order])
         end = server.metrics()
         hits[name] = [middle[key] - start[key], end[key] - middle[key]]
         routed = "modserve_replica_routed_requests_total{{by={},replica={}}}"
