@@ -8,7 +8,8 @@ over the model's bf16 weights, through: the AVX512-BF16 dot kernel (``bf16_dot_l
 built), oneDNN's bf16 GEMM (``at::mm`` on bf16: AMX tiles where present), the few-rows kernel
 over a bf16 copy (``few_rows_linear``, float32 input, up to 16 rows), the ``bf16_gemm`` route's
 copies packed at load (oneDNN's layout; the AMX tiles' own, ``pack_tiles``, where the CPU has
-AMX-BF16: ``bf16_gemm_linear`` from either), and the float32 GEMM on
+AMX-BF16: ``bf16_gemm_linear`` from either; and from the tiles with oneDNN's brgemm at every row
+count, ``AMX tiles by brgemm``, where the kernel takes 32 rows and more itself), and the float32 GEMM on
 float32 weights in panels (``panel_linear``: what the ``few_rows`` route runs beyond 16 rows,
 its weights packed at load; at each ``--few-rows-floats`` width, which sets its tile's too).
 Weights are fresh random tensors of the checkpoint's shapes, so a model larger than the
@@ -86,6 +87,7 @@ def main() -> None:
     if ops.tiles_ready():
         tiles = {id(w): placed(ops.pack_tiles(w), a.huge_pages) for w in weights}
         routes["AMX tiles"] = lambda x, w, f, p: ops.bf16_gemm_linear(x, w, tiles[id(w)], None)
+        routes["AMX tiles by brgemm"] = functools.partial(tiles_by_brgemm, tiles)
     if ops.bf16_dot_built():
         routes["AVX512-BF16 dot"] = lambda x, w, f, p: ops.bf16_dot_linear(x, w)
     widths = a.few_rows_floats or [ops.few_rows_floats()]
@@ -124,6 +126,16 @@ def main() -> None:
             cells.append(f"{t * 1e3:.1f} ({nbytes / t / 1e9:.1f})")
         print(f"| {rows} | " + " | ".join(cells) + " |", flush=True)
     print(ceiling(clock if a.clock == "cpu" else None))
+
+
+def tiles_by_brgemm(tiles: dict[int, torch.Tensor], x: torch.Tensor, w: torch.Tensor, f: torch.Tensor,
+                    p: torch.Tensor) -> torch.Tensor:
+    """The tiles' route with oneDNN's brgemm for every row count (``tiles_amx`` off)."""
+    torch.ops.modserve_cpu.set_tiles_amx(False)
+    try:
+        return torch.ops.modserve_cpu.bf16_gemm_linear(x, w, tiles[id(w)], None)
+    finally:
+        torch.ops.modserve_cpu.set_tiles_amx(True)
 
 
 def few_rows(floats: int, x: torch.Tensor, w: torch.Tensor, f: torch.Tensor, p: torch.Tensor) -> torch.Tensor:

@@ -163,6 +163,27 @@ def test_the_tiles_layout_holds_every_weight_once(n, k):
         torch.testing.assert_close(y.double(), x.bfloat16().double() @ w.double().T, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("n,k", [(200, 2048), (96, 160), (64, 3072)])
+def test_the_tiles_kernel_sums_as_the_brgemm_does(n, k):
+    """From 32 rows (K a multiple of 32) the tiles' own kernel takes the product, a chunk of
+    1,024 K at a time with the sums carried in y, rows in pairs of tiles and an odd last tile
+    alone: its sums are oneDNN's brgemm's (``set_tiles_amx(False)``), bit for bit."""
+    _kernels()
+    ops = torch.ops.modserve_cpu
+    g = torch.Generator().manual_seed(n * k)
+    w = (torch.randn(n, k, generator=g) * 0.05).bfloat16()
+    tiles = _layout("tiles", w)
+    for m in (17, 32, 48, 64, 100, 256):
+        x = torch.randn(m, k, generator=g)
+        own = ops.bf16_gemm_linear(x, w, tiles, None)
+        ops.set_tiles_amx(False)
+        try:
+            brgemm = ops.bf16_gemm_linear(x, w, tiles, None)
+        finally:
+            ops.set_tiles_amx(True)
+        assert torch.equal(own, brgemm), (m, (own - brgemm).abs().max())
+
+
 @pytest.mark.parametrize("packed", ["onednn", "tiles"])
 @pytest.mark.parametrize("m", [2, 17, 300])
 def test_the_bf16_gemm_route_under_compile_keeps_its_casts_in_the_graph(m, packed):

@@ -24,6 +24,9 @@
 #include "row_passes.h"
 #include "vec8.h"  // v8, load8 (float32 and bf16), hsum
 
+#include <sys/syscall.h>
+#include <unistd.h>
+
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
@@ -548,13 +551,14 @@ constexpr int64_t kPackedMaxRows = 256;  // beyond, a prefill's GEMM: the plain 
 // blocks of kTileCols output features, each [K / 2, kTileCols, 2] (oneDNN's VNNI pairs),
 // packed once at load. Up to kPackedMaxRows rows, x (rounded to bf16) is the brgemm's A
 // operand and each block of W its B, streamed from memory in order (one row: vdpbf16ps
-// reads the blocks instead, below); the float32 sums land in y directly,
-// unrounded. Against oneDNN's packed GEMM of the weights in its own layout,
-// this read them faster at 2 to 16 rows, as fast at one and a little slower at 64
-// (scripts/linear_routes.py, docs/benchmarks.md).
+// reads the blocks instead; from two tiles of rows, tiles_amx: both below); the float32 sums
+// land in y directly, unrounded. Against oneDNN's packed GEMM of the weights in its own
+// layout, this read them faster at 2 to 16 rows and as fast at one (scripts/linear_routes.py,
+// docs/benchmarks.md).
 constexpr int64_t kTileCols = 64;
 constexpr int64_t kAmxRows = 16;  // rows of an AMX tile
-// Rows beyond one tile: from kTilesChunkRows rows, each brgemm call takes kTilesChunk of K (x's
+// Rows beyond one tile where tiles_amx does not apply (K not a multiple of 32): from
+// kTilesChunkRows rows, each brgemm call takes kTilesChunk of K (x's
 // chunk near L1 at 64 rows), the sums carried in y from chunk to chunk; below, a call per chunk
 // cost more than x's reuse saved, and the rows go a tile at a time over the whole of K instead
 // (docs/benchmarks.md). A K that is not a multiple of kTilesChunk is never chunked.
@@ -655,6 +659,185 @@ void tiles_brgemm(const at::BFloat16* ap, int64_t lda, const at::BFloat16* bp, i
   });
 }
 
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+// From two tiles of rows (32), the same product on the AMX tiles directly, for K a multiple of
+// 32: the same sums as the brgemm's, bit for bit, read faster (docs/benchmarks.md). One tile
+// of rows reads each block once, and the brgemm streams it as fast.
+//
+// A thread's blocks lie one after another in memory, and it reads them as one stream, a chunk
+// of K at a time: every tile of rows takes its products over the chunk, the chunk being read
+// from memory by the first tiles of rows and from cache by the others. Meanwhile the next
+// chunk is prefetched, a share at each step, so that memory stays busy while the later tiles
+// of rows compute; the brgemm, a call per block, has no place for that. A chunk is at most
+// kAmxChunk of K (128 KiB of W), so the chunk being read and the next fit in L2 at once; the
+// sums of a chunk after the first are added to those in y. The tiles are configured once per
+// thread and call, not once per block.
+//
+// Eight tile registers: per two tiles of rows and half a block, four 16 x 16 float32 sums,
+// two of x (16 rows x 32 K) and two of W (16 K pairs x 16 features, rows 256 bytes apart in a
+// block), each x and W tile loaded once for two products; an odd last tile of rows takes the
+// four W tiles of the whole block in turn. Each sum runs over K in order, 32 at a time.
+constexpr bool kHaveAmx = true;
+constexpr int64_t kAmxChunk = 1024;
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Linux hands a process the tiles' state only once asked (ARCH_REQ_XCOMP_PERM for
+// XFEATURE_XTILEDATA); oneDNN asks too, and asking again is harmless.
+bool amx_permitted() {
+  static const bool permitted = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+  return permitted;
+}
+
+void amx_configure() {
+  TileConfig config;
+  for (int t = 0; t < 8; ++t) {
+    config.rows[t] = 16;
+    config.colsb[t] = 64;  // 16 floats, 32 bf16 or 16 bf16 pairs
+  }
+  _tile_loadconfig(&config);
+}
+
+// Sums tiles 0-3 start from zero (the first chunk) or from y.
+template <bool First>
+inline void amx_start(float* y, int64_t ldy, int64_t down) {
+  if constexpr (First) {
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+  } else {
+    _tile_loadd(0, y, ldy * 4);
+    _tile_loadd(1, y + 16, ldy * 4);
+    _tile_loadd(2, y + down, ldy * 4);
+    _tile_loadd(3, y + down + 16, ldy * 4);
+  }
+}
+
+inline void amx_store(float* y, int64_t ldy, int64_t down) {
+  _tile_stored(0, y, ldy * 4);
+  _tile_stored(1, y + 16, ldy * 4);
+  _tile_stored(2, y + down, ldy * 4);
+  _tile_stored(3, y + down + 16, ldy * 4);
+}
+
+inline const char* prefetch(const char* ahead, int64_t bytes) {
+  for (int64_t i = 0; i < bytes; i += 64) _mm_prefetch(ahead + i, _MM_HINT_T1);
+  return ahead + bytes;
+}
+
+// y[0 : 16, 0 : 64] (+)= x[0 : 16, chunk] . the block's chunk w ([kc / 2, 64, 2]), an odd last
+// tile of rows: per 32 of K, the four W tiles cover 16 whole K-pair rows of the block.
+template <bool First>
+void amx_tile_rows(const at::BFloat16* x, int64_t lda, const char* w, int64_t kc, float* y, int64_t ldy) {
+  amx_start<First>(y, ldy, 32);
+  for (int64_t k = 0; k < kc; k += 32, w += 4096) {
+    _tile_loadd(4, x + k, lda * 2);
+    _tile_loadd(5, w, 256);
+    _tile_dpbf16ps(0, 4, 5);
+    _tile_loadd(6, w + 64, 256);
+    _tile_dpbf16ps(1, 4, 6);
+    _tile_loadd(5, w + 128, 256);
+    _tile_dpbf16ps(2, 4, 5);
+    _tile_loadd(6, w + 192, 256);
+    _tile_dpbf16ps(3, 4, 6);
+  }
+  amx_store(y, ldy, 32);
+}
+
+// y[0 : 32, 0 : 64] (+)= x[0 : 32, chunk] . the block's chunk w, half a block at a time,
+// prefetching `step` bytes from `ahead` per 32 of K; returns where the prefetch stopped.
+template <bool First>
+const char* amx_tile_pairs(const at::BFloat16* x, int64_t lda, const char* w, int64_t kc, float* y, int64_t ldy,
+                           const char* ahead, int64_t step) {
+  for (int64_t half = 0; half < 2; ++half) {
+    float* yh = y + 32 * half;
+    amx_start<First>(yh, ldy, 16 * ldy);
+    const char* wk = w + 128 * half;
+    for (int64_t k = 0; k < kc; k += 32, wk += 4096) {
+      ahead = prefetch(ahead, step);
+      _tile_loadd(4, x + k, lda * 2);
+      _tile_loadd(6, wk, 256);
+      _tile_dpbf16ps(0, 4, 6);
+      _tile_loadd(7, wk + 64, 256);
+      _tile_dpbf16ps(1, 4, 7);
+      _tile_loadd(5, x + 16 * lda + k, lda * 2);
+      _tile_dpbf16ps(2, 5, 6);
+      _tile_dpbf16ps(3, 5, 7);
+    }
+    amx_store(yh, ldy, 16 * ldy);
+  }
+  return ahead;
+}
+
+// Every tile of rows over one chunk of one block: y[0 : rows, 0 : 64] (+)= x[:, k0 : k0 + kc] . w.
+template <bool First>
+void amx_chunk(const at::BFloat16* x, int64_t lda, int64_t rows, const char* w, int64_t k0, int64_t kc, float* y,
+               int64_t ldy, const char* ahead, int64_t step) {
+  int64_t r0 = 0;
+  for (; r0 + 32 <= rows; r0 += 32)
+    ahead = amx_tile_pairs<First>(x + r0 * lda + k0, lda, w, kc, y + r0 * ldy, ldy, ahead, step);
+  if (r0 < rows) amx_tile_rows<First>(x + r0 * lda + k0, lda, w, kc, y + r0 * ldy, ldy);
+}
+
+// y [rows, N] from x [rows, lda] bf16 (rows: whole tiles, at least two) and W's tiles; K % 32 == 0.
+void tiles_amx(const at::BFloat16* ap, int64_t lda, const at::BFloat16* bp, int64_t blocks, int64_t rows, int64_t K,
+               int64_t N, float* yp) {
+  int64_t kc = std::min(K, kAmxChunk);
+  while (K % kc) kc -= 32;  // K % 32 == 0: ends at a divisor
+  const int64_t chunk_bytes = kc * kTileCols * 2;
+  // a share of the next chunk per step of two tiles of rows: all of it over their steps
+  const int64_t step = (chunk_bytes / ((rows / 32) * 2 * (kc / 32)) + 63) / 64 * 64;
+  at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
+    amx_configure();
+    thread_local std::vector<float> edge;  // a partial last block's sums
+    const char* stream_end = reinterpret_cast<const char*>(bp + end * K * kTileCols);
+    for (int64_t b = begin; b < end; ++b) {
+      const int64_t n0 = b * kTileCols, cols = std::min(kTileCols, N - n0);
+      const char* block = reinterpret_cast<const char*>(bp + b * K * kTileCols);
+      float* y = yp + n0;
+      int64_t ldy = N;
+      if (cols < kTileCols) {
+        edge.resize(rows * kTileCols);
+        y = edge.data();
+        ldy = kTileCols;
+      }
+      for (int64_t k0 = 0; k0 < K; k0 += kc) {
+        const char* w = block + k0 * kTileCols * 2;
+        const char* ahead = w + chunk_bytes < stream_end ? w + chunk_bytes : nullptr;
+        const int64_t s = ahead ? step : 0;
+        if (k0 == 0)
+          amx_chunk<true>(ap, lda, rows, w, k0, kc, y, ldy, ahead, s);
+        else
+          amx_chunk<false>(ap, lda, rows, w, k0, kc, y, ldy, ahead, s);
+      }
+      if (cols < kTileCols)
+        for (int64_t r = 0; r < rows; ++r) std::memcpy(yp + r * N + n0, y + r * kTileCols, cols * sizeof(float));
+    }
+    _tile_release();
+    at::native::cpublas::brgemm_release();  // torch's brgemm configures the tiles again on its next call
+  });
+}
+#else
+constexpr bool kHaveAmx = false;
+bool amx_permitted() { return false; }
+void tiles_amx(const at::BFloat16*, int64_t, const at::BFloat16*, int64_t, int64_t, int64_t, int64_t, float*) {
+  TORCH_CHECK(false, "tiles_amx: built for a CPU without AMX-BF16");
+}
+#endif
+
+// Whether tiles_amx takes the rows it applies to (set_tiles_amx(false): the brgemm takes them, to
+// time one against the other in scripts/linear_routes.py).
+std::atomic<bool> tiles_amx_on{true};
+
+void set_tiles_amx(bool on) { tiles_amx_on.store(on); }
+
 // y [M, N] float32 = x @ W.T (+ b) from W's tiles; x float32 or bf16, rounded to bf16 either way.
 at::Tensor tiles_linear(const at::Tensor& x, const at::Tensor& tiles, int64_t N, const c10::optional<at::Tensor>& bias) {
   const int64_t M = x.size(0), K = x.size(1);
@@ -679,6 +862,8 @@ at::Tensor tiles_linear(const at::Tensor& x, const at::Tensor& tiles, int64_t N,
   float* yp = y.data_ptr<float>();
   if (kHaveDot && M == 1)
     tiles_dot(ap, bp, tiles.size(0), K, N, yp);
+  else if (kHaveAmx && rows >= 32 && K % 32 == 0 && tiles_amx_on.load(std::memory_order_relaxed) && amx_permitted())
+    tiles_amx(ap, lda, bp, tiles.size(0), rows, K, N, yp);
   else
     tiles_brgemm(ap, lda, bp, tiles.size(0), rows, K, N, yp);
   y = y.narrow(0, 0, M);  // contiguous: the first M rows
@@ -765,6 +950,7 @@ TORCH_LIBRARY(modserve_cpu, m) {
   m.def("set_few_rows_floats(int floats) -> ()");
   m.def("few_rows_floats() -> int");
   m.def("few_rows_avx512_built() -> bool");
+  m.def("set_tiles_amx(bool on) -> ()");
   // every backend, as few_rows_linear: a oneDNN-packed weight dispatches as MkldnnCPU
   m.impl("bf16_gemm_linear", c10::DispatchKey::CompositeExplicitAutograd, TORCH_FN(bf16_gemm_linear));
   m.impl("bf16_gemm", c10::DispatchKey::CompositeExplicitAutograd, TORCH_FN(bf16_gemm));
@@ -773,6 +959,7 @@ TORCH_LIBRARY(modserve_cpu, m) {
   m.impl("set_few_rows_floats", c10::DispatchKey::CatchAll, TORCH_FN(set_few_rows_floats));
   m.impl("few_rows_floats", c10::DispatchKey::CatchAll, TORCH_FN(get_few_rows_floats));
   m.impl("few_rows_avx512_built", c10::DispatchKey::CatchAll, TORCH_FN(few_rows_avx512_built));
+  m.impl("set_tiles_amx", c10::DispatchKey::CatchAll, TORCH_FN(set_tiles_amx));
   m.impl("bf16_linear", c10::DispatchKey::CPU, TORCH_FN(bf16_linear));
   m.impl("panel_linear", c10::DispatchKey::CPU, TORCH_FN(panel_linear));
   // every backend: a oneDNN-packed weight makes a call dispatch as MkldnnCPU, not CPU
