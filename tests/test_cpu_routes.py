@@ -163,6 +163,27 @@ def test_the_tiles_layout_holds_every_weight_once(n, k):
         torch.testing.assert_close(y.double(), x.bfloat16().double() @ w.double().T, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("m", [1, 2, 32])
+def test_the_tiles_route_rounds_x_as_torch_does(m):
+    """x is rounded to bf16 on the calling thread, not by Tensor.copy_: to nearest, ties to
+    even, carries into the exponent, rows of a strided x; through an identity weight the
+    products are x as torch rounds it (the dot loop at one row, the brgemm at two, the tiles'
+    own kernel at 32)."""
+    _kernels()
+    k = 64
+    bits = torch.tensor([0x3F808000, 0x3F818000, 0x3F80FFFF, 0x3F7FFFFF, 0x3F808001, 0xBF808000, 0x7F7F0000,
+                         0x477FE000, 0x3F800000, 0x00000000, 0x80000000], dtype=torch.int64).to(torch.int32)
+    g = torch.Generator().manual_seed(m)
+    wide = torch.randn(m, 2 * k, generator=g) * 100
+    wide[:, : 2 * len(bits) : 2] = bits.view(torch.float32)
+    x = wide[:, ::2]  # every other column: rows K apart, values 2 apart (the copy_ route)
+    w = torch.eye(k).bfloat16()
+    tiles = _layout("tiles", w)
+    for xx in (x, x.contiguous(), wide[:, :k]):
+        y = torch.ops.modserve_cpu.bf16_gemm_linear(xx, w, tiles, None)
+        assert torch.equal(y, xx.bfloat16().float()), (y - xx.bfloat16().float()).abs().max()
+
+
 @pytest.mark.parametrize("n,k", [(200, 2048), (96, 160), (64, 3072)])
 def test_the_tiles_kernel_sums_as_the_brgemm_does(n, k):
     """From 32 rows (K a multiple of 32) the tiles' own kernel takes the product, a chunk of

@@ -832,6 +832,26 @@ void tiles_amx(const at::BFloat16*, int64_t, const at::BFloat16*, int64_t, int64
 }
 #endif
 
+// dst[0 : n] = src[0 : n] rounded to bf16 as torch rounds (to nearest, ties to even; a NaN
+// to 0x7FC0), on the calling thread: a step's x is a few thousand values a row, which
+// Tensor.copy_ splits over the threads at a cost of the order of the work.
+void round_to_bf16(const float* src, at::BFloat16* dst, int64_t n) {
+  int64_t i = 0;
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+  const __m512i ones = _mm512_set1_epi32(1), half = _mm512_set1_epi32(0x7FFF), nan = _mm512_set1_epi32(0x7FC00000);
+  for (; i < n; i += 16) {
+    const __mmask16 m = n - i >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << (n - i)) - 1);
+    const __m512 v = _mm512_maskz_loadu_ps(m, src + i);
+    const __m512i bits = _mm512_castps_si512(v);
+    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), ones);
+    __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(half, odd));
+    rounded = _mm512_mask_mov_epi32(rounded, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), nan);
+    _mm256_mask_storeu_epi16(dst + i, m, _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16)));
+  }
+#endif
+  for (; i < n; ++i) dst[i] = at::BFloat16(src[i]);
+}
+
 // Whether tiles_amx takes the rows it applies to (set_tiles_amx(false): the brgemm takes them, to
 // time one against the other in scripts/linear_routes.py).
 std::atomic<bool> tiles_amx_on{true};
@@ -848,16 +868,23 @@ at::Tensor tiles_linear(const at::Tensor& x, const at::Tensor& tiles, int64_t N,
   const int64_t rows = (M + kAmxRows - 1) / kAmxRows * kAmxRows;
   // x's rows a cache line further apart than K: rows 2^n bytes apart alias in L1 as tiles load them
   const int64_t lda = K + 32;
-  // x in bf16, in this thread's scratch: zeroed when it grows, then only the first M rows are
-  // written, so a padding row holds zeros or an earlier call's x. Either way its output row,
-  // which depends on that row alone, is discarded; a fresh zeroed tensor per call cost a fill
-  // of every padding row.
+  // x in bf16, in this thread's scratch (rounded or copied on this thread): zeroed when it
+  // grows, then only the first M rows are written, so a padding row holds zeros or an earlier
+  // call's x. Either way its output row, which depends on that row alone, is discarded; a
+  // fresh zeroed tensor per call cost a fill of every padding row.
   thread_local std::vector<at::BFloat16> scratch;
   if (scratch.size() < static_cast<size_t>(rows * lda)) scratch.assign(rows * lda, at::BFloat16(0.f));
-  at::Tensor xb = at::from_blob(scratch.data(), {rows, lda}, x.options().dtype(at::kBFloat16));
-  xb.narrow(0, 0, M).narrow(1, 0, K).copy_(x);
+  at::BFloat16* ap = scratch.data();
+  if (x.scalar_type() == at::kFloat && x.stride(1) == 1) {
+    const float* xp = x.data_ptr<float>();
+    for (int64_t r = 0; r < M; ++r) round_to_bf16(xp + r * x.stride(0), ap + r * lda, K);
+  } else if (x.scalar_type() == at::kBFloat16 && x.stride(1) == 1) {
+    const at::BFloat16* xp = x.data_ptr<at::BFloat16>();
+    for (int64_t r = 0; r < M; ++r) std::memcpy(ap + r * lda, xp + r * x.stride(0), K * sizeof(at::BFloat16));
+  } else {
+    at::from_blob(ap, {rows, lda}, x.options().dtype(at::kBFloat16)).narrow(0, 0, M).narrow(1, 0, K).copy_(x);
+  }
   at::Tensor y = at::empty({rows, N}, x.options().dtype(at::kFloat));
-  const auto* ap = xb.data_ptr<at::BFloat16>();
   const auto* bp = tiles.data_ptr<at::BFloat16>();
   float* yp = y.data_ptr<float>();
   if (kHaveDot && M == 1)
