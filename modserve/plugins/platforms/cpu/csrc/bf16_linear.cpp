@@ -884,16 +884,17 @@ at::Tensor tiles_linear(const at::Tensor& x, const at::Tensor& tiles, int64_t N,
   } else {
     at::from_blob(ap, {rows, lda}, x.options().dtype(at::kBFloat16)).narrow(0, 0, M).narrow(1, 0, K).copy_(x);
   }
-  at::Tensor y = at::empty({rows, N}, x.options().dtype(at::kFloat));
+  const bool one_row = kHaveDot && M == 1;  // tiles_dot writes that row alone
+  at::Tensor y = at::empty({one_row ? 1 : rows, N}, x.options().dtype(at::kFloat));
   const auto* bp = tiles.data_ptr<at::BFloat16>();
   float* yp = y.data_ptr<float>();
-  if (kHaveDot && M == 1)
+  if (one_row)
     tiles_dot(ap, bp, tiles.size(0), K, N, yp);
   else if (kHaveAmx && rows >= 32 && K % 32 == 0 && tiles_amx_on.load(std::memory_order_relaxed) && amx_permitted())
     tiles_amx(ap, lda, bp, tiles.size(0), rows, K, N, yp);
   else
     tiles_brgemm(ap, lda, bp, tiles.size(0), rows, K, N, yp);
-  y = y.narrow(0, 0, M);  // contiguous: the first M rows
+  if (y.size(0) != M) y = y.narrow(0, 0, M);  // contiguous: the first M rows
   if (bias.has_value() && bias->defined()) y.add_(*bias);
   return y;
 }
