@@ -11,7 +11,8 @@
 // Beyond a few rows, panel_linear (below) is the float32 GEMM of batched steps.
 //
 // Registered as torch.ops.modserve_cpu.bf16_linear, .panel_linear, .few_rows_linear and
-// .bf16_gemm_linear, with .pack_tiles (built by modserve/plugins/platforms/cpu/kernels.py).
+// .bf16_gemm_linear, with .pack_tiles and .set_tiles_amx (built by
+// modserve/plugins/platforms/cpu/kernels.py).
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -890,7 +891,8 @@ at::Tensor tiles_linear(const at::Tensor& x, const at::Tensor& tiles, int64_t N,
   float* yp = y.data_ptr<float>();
   if (one_row)
     tiles_dot(ap, bp, tiles.size(0), K, N, yp);
-  else if (kHaveAmx && rows >= 32 && K % 32 == 0 && tiles_amx_on.load(std::memory_order_relaxed) && amx_permitted())
+  else if (kHaveAmx && rows >= 32 && K > 0 && K % 32 == 0 && tiles_amx_on.load(std::memory_order_relaxed) &&
+           amx_permitted())
     tiles_amx(ap, lda, bp, tiles.size(0), rows, K, N, yp);
   else
     tiles_brgemm(ap, lda, bp, tiles.size(0), rows, K, N, yp);
