@@ -833,24 +833,12 @@ void tiles_amx(const at::BFloat16*, int64_t, const at::BFloat16*, int64_t, int64
 }
 #endif
 
-// dst[0 : n] = src[0 : n] rounded to bf16 as torch rounds (to nearest, ties to even; a NaN
-// to 0x7FC0), on the calling thread: a step's x is a few thousand values a row, which
+// dst[0 : n] = src[0 : n] rounded to bf16 as torch rounds (vec8.h's to_bf16, which the compiler
+// vectorizes), on the calling thread: a step's x is a few thousand values a row, which
 // Tensor.copy_ splits over the threads at a cost of the order of the work.
 void round_to_bf16(const float* src, at::BFloat16* dst, int64_t n) {
-  int64_t i = 0;
-#if defined(__AVX512F__) && defined(__AVX512BW__)
-  const __m512i ones = _mm512_set1_epi32(1), half = _mm512_set1_epi32(0x7FFF), nan = _mm512_set1_epi32(0x7FC00000);
-  for (; i < n; i += 16) {
-    const __mmask16 m = n - i >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << (n - i)) - 1);
-    const __m512 v = _mm512_maskz_loadu_ps(m, src + i);
-    const __m512i bits = _mm512_castps_si512(v);
-    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), ones);
-    __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(half, odd));
-    rounded = _mm512_mask_mov_epi32(rounded, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), nan);
-    _mm256_mask_storeu_epi16(dst + i, m, _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16)));
-  }
-#endif
-  for (; i < n; ++i) dst[i] = at::BFloat16(src[i]);
+  auto* bits = reinterpret_cast<uint16_t*>(dst);
+  for (int64_t i = 0; i < n; ++i) bits[i] = modserve::to_bf16(src[i]);
 }
 
 // Whether tiles_amx takes the rows it applies to (set_tiles_amx(false): the brgemm takes them, to
