@@ -384,3 +384,26 @@ def test_compiled_forward_and_native_decode_identical(checkpoint_dir, dtype):
         assert names == {"native@modserve-forward_0", "compiled@modserve-forward_0"}
     else:
         assert names == {"compiled@modserve-forward_0"}
+
+
+def test_the_forward_thread_compiles_under_the_engine_threads_settings(checkpoint_dir):
+    """An async engine that compiles first (nothing cached by an engine before it): its
+    forward thread makes the graphs under the settings the platform gave torch on the engine
+    thread (a layer's index a graph input, not a constant), which torch keeps per thread:
+    as many graphs as the synchronous engine makes, not a set per layer."""
+    import torch
+    from torch._dynamo.utils import counters
+
+    path = checkpoint_dir("llama")
+    made = {}
+    for mode in (True, False):
+        torch._dynamo.reset()
+        before = counters["stats"]["unique_graphs"]
+        llm = make_llm(path, mode, compile="on")
+        try:
+            llm.generate(PROMPTS[:2], SamplingParams(temperature=0.0, max_tokens=4))
+        finally:
+            llm.shutdown()
+        made[mode] = counters["stats"]["unique_graphs"] - before
+    torch._dynamo.reset()  # later tests compile afresh, as in a process of their own
+    assert made[True] == made[False] > 0

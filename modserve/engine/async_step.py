@@ -18,6 +18,7 @@ the LoRA mapping (thread-locals) itself.
 
 from __future__ import annotations
 
+import contextvars
 import time
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Any
@@ -56,7 +57,9 @@ class OverlappedSteps:
         future: Future[ModelOutput] | None = None
         if scheduled is not None and scheduled.seqs:
             stamp_scheduled(eng.requests, scheduled.seqs, time.perf_counter())
-            future = self.pool.submit(eng.runner.execute, scheduled)
+            # In the engine thread's context: torch keeps its compile settings (torch._dynamo.config)
+            # in context variables, which a new thread does not inherit.
+            future = self.pool.submit(contextvars.copy_context().run, eng.runner.execute, scheduled)
         pending, self.pending = self.pending, None
         try:
             shown, stops, now = self._show(pending)
