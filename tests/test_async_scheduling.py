@@ -45,7 +45,7 @@ def pair(llama_dir) -> Iterator[dict[bool, LLM]]:
     llms = {mode: make_llm(llama_dir, mode) for mode in (False, True)}
     yield llms
     for llm in llms.values():
-        llm.shutdown()  # the forward thread ends with its engine
+        llm.shutdown()  # the output thread ends with its engine
 
 
 def seen(outs) -> list[list[tuple]]:
@@ -278,8 +278,8 @@ def test_a_failed_forward_blames_its_request_and_loses_no_output(pair, monkeypat
 
 @pytest.mark.parametrize("compile_setting", ["off", "on"])
 def test_lora_adapters_apply_on_the_forward_thread(llama_dir, tmp_path, compile_setting):
-    """The LoRA row mapping is a thread-local of the forward: set and read on the forward thread,
-    eagerly and by the compiled layers' opaque LoRA op."""
+    """The LoRA row mapping is a thread-local of the forward: set and read on the thread that
+    runs it, eagerly and by the compiled layers' opaque LoRA op."""
     adapter = make_adapter(llama_dir, tmp_path / "a", 8, ALL, seed=1)
     lora = LoRARequest("a", 1, adapter)
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
@@ -291,13 +291,13 @@ def test_lora_adapters_apply_on_the_forward_thread(llama_dir, tmp_path, compile_
         got[mode] = seen(outs)
         base = seen(llm.generate(PROMPTS[1:2], params, use_tqdm=False))[0]  # prompt 1 without the adapter
         llm.shutdown()
-        if mode:  # shutdown ends the forward thread
+        if mode:  # shutdown ends the output thread
             assert not any(t.is_alive() for t in llm.engine.overlap.pool._threads)
     assert got[True] == got[False]
     assert got[False][1][0][0] != base[0][0]  # the adapter changes the tokens: a real check
 
 
-# -- tensor parallelism and torch.compile: what the forward thread runs ------------------------
+# -- tensor parallelism and torch.compile: which thread runs what ----------------------------
 
 
 def mixed_params(llm: LLM) -> list[SamplingParams]:
@@ -313,7 +313,10 @@ def mixed_params(llm: LLM) -> list[SamplingParams]:
 
 def threads_of(llm: LLM) -> set[str]:
     """Record which threads run the step's forward (and, where there is one, the native decode
-    step's C++ call) from now on; the names come back in the set returned."""
+    step's C++ call) and its output processing from now on; the names come back in the set
+    returned. The forward belongs on the engine thread, whose OpenMP team computed everything
+    before: a forward on another thread starts a second team, and on a machine with as many
+    cores as one team's threads every parallel kernel then waits for a thread to wake."""
     runner, names = llm.engine.runner, set()
 
     def recorded(fn, what):
@@ -327,6 +330,7 @@ def threads_of(llm: LLM) -> set[str]:
         runner.step_forward.forward = recorded(runner.step_forward.forward, "compiled")
     else:
         runner.step_forward = recorded(runner.step_forward, "compiled" if runner.compiled else "eager")
+    llm.engine.overlap._show = recorded(llm.engine.overlap._show, "outputs")
     return names
 
 
@@ -352,18 +356,17 @@ def mixed_batch_both_ways(make) -> tuple[set[str], dict[bool, LLM]]:
 
 
 def test_tensor_parallel_mp_identical(llama_dir):
-    """TP=2 (the mp executor, gloo): rank 0's forward thread sends the step to rank 1 and runs
-    the all-reduces, while the engine thread shows the step before."""
+    """TP=2 (the mp executor, gloo): rank 0's engine thread sends the step to rank 1 and runs
+    the all-reduces, while the output thread shows the step before."""
     names, _ = mixed_batch_both_ways(lambda mode: make_llm(llama_dir, mode, tensor_parallel_size=2, num_threads=1))
-    assert names == {"eager@modserve-forward_0"}
+    assert names == {"eager@MainThread", "outputs@modserve-outputs_0"}
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_compiled_forward_and_native_decode_identical(checkpoint_dir, dtype):
-    """compile: on: the forward thread runs the layers' graphs the engine thread compiled, with
-    no recompile (dynamo guards thread-local state: grad mode, torch function modes); a bf16
-    checkpoint's decode steps run there as the CPU platform's native C++ step, its prefills
-    through the compiled graphs."""
+    """compile: on: the async engine's forwards run the layers' graphs the synchronous one
+    compiled, with no recompile; a bf16 checkpoint's decode steps run as the CPU platform's
+    native C++ step, its prefills through the compiled graphs."""
     from torch._dynamo.utils import counters
 
     path = checkpoint_dir("llama", dtype=dtype)
@@ -378,19 +381,19 @@ def test_compiled_forward_and_native_decode_identical(checkpoint_dir, dtype):
     names, llms = mixed_batch_both_ways(make)
     assert all(llm.engine.runner.compiled for llm in llms.values())
     # the async engine's warm-up and steps reuse the graphs the synchronous one made on this thread
-    assert counters["stats"]["unique_graphs"] == graphs[0], "the forward thread compiled again"
+    assert counters["stats"]["unique_graphs"] == graphs[0], "the async engine compiled again"
     if dtype == "bfloat16":
         assert isinstance(llms[True].engine.runner.step_forward, NativeDecodeStep)
-        assert names == {"native@modserve-forward_0", "compiled@modserve-forward_0"}
+        assert names == {"native@MainThread", "compiled@MainThread", "outputs@modserve-outputs_0"}
     else:
-        assert names == {"compiled@modserve-forward_0"}
+        assert names == {"compiled@MainThread", "outputs@modserve-outputs_0"}
 
 
-def test_the_forward_thread_compiles_under_the_engine_threads_settings(checkpoint_dir):
-    """An async engine that compiles first (nothing cached by an engine before it): its
-    forward thread makes the graphs under the settings the platform gave torch on the engine
-    thread (a layer's index a graph input, not a constant), which torch keeps per thread:
-    as many graphs as the synchronous engine makes, not a set per layer."""
+def test_an_async_engine_compiling_first_makes_the_graphs_a_synchronous_one_makes(checkpoint_dir):
+    """An async engine that compiles first (nothing cached by an engine before it) makes as
+    many graphs as the synchronous engine: its forwards run under the compile settings the
+    platform gave torch (a layer's index a graph input, not a constant), which torch keeps
+    per thread, not a set of graphs per layer."""
     import torch
     from torch._dynamo.utils import counters
 

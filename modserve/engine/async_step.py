@@ -3,27 +3,30 @@ tokens become what the users see.
 
 One call of :meth:`OverlappedSteps.step`: the scheduler has applied step N already (its EOS,
 stop token ids, max_tokens, context limit and grammar advance), so step N+1 is scheduled now
-with exact state (a grammar's bitmask for N+1 sees N's token); its forward goes to one
-background thread while this thread detokenizes N's tokens, searches them for stop strings
-and builds their RequestOutputs. Once the forward is done, a stop string found in N ends its
+with exact state (a grammar's bitmask for N+1 sees N's token); one background thread
+detokenizes N's tokens, searches them for stop strings and builds their RequestOutputs while
+this thread runs N+1's forward. Once both are done, a stop string found in N ends its
 sequence (the token N+1 sampled for it is dropped unread, its blocks freed only now that the
 forward no longer reads them), then the scheduler applies N+1, whose tokens are shown by the
 next call.
 
+The forward stays on the engine thread, which loaded the model: torch's intra-op threads
+(an OpenMP team) belong to the thread that starts a parallel kernel, so a forward on a
+thread of its own would start a second team. With more OpenMP threads than cores, GNU
+OpenMP stops spinning between parallel regions, and each of a step's parallel kernels would
+wait for a sleeping thread to wake. The output thread runs no parallel kernel: it reads
+the sampler's tensors as lists. (torch.set_num_threads is not the way to keep it from
+starting a team: it sets the count of every thread that has not run a parallel kernel yet.)
+
 NOTE: nothing is in flight between two calls: an abort, a preemption, shutdown and culprit
-isolation see the synchronous engine's state, N+1's tokens applied but not yet shown. The
-forward thread is the one that runs ``runner.execute``, which opens the forward context and
-the LoRA mapping (thread-locals) itself.
+isolation see the synchronous engine's state, N+1's tokens applied but not yet shown.
 """
 
 from __future__ import annotations
 
-import contextvars
 import time
-from concurrent.futures import Future, ThreadPoolExecutor, wait
+from concurrent.futures import ThreadPoolExecutor, wait
 from typing import Any
-
-import torch
 
 from modserve.core.outputs import RequestOutput
 from modserve.core.step import ModelOutput, ScheduledStep
@@ -33,9 +36,7 @@ from modserve.engine.output import StopString, stamp_scheduled
 class OverlappedSteps:
     def __init__(self, engine: Any) -> None:
         self.engine = engine  # the LLMEngine whose steps these are (not imported: it imports this)
-        device = engine.runner.device
-        self.pool = ThreadPoolExecutor(1, thread_name_prefix="modserve-forward", initializer=_forward_thread,
-                                       initargs=(torch.get_num_threads(), device))
+        self.pool = ThreadPoolExecutor(1, thread_name_prefix="modserve-outputs")
         self.pending: ModelOutput | None = None  # applied by the scheduler, not shown yet
         self.salvaged: list[RequestOutput] = []  # shown by a step whose forward then raised
 
@@ -54,25 +55,19 @@ class OverlappedSteps:
             scheduled = eng.scheduler.step(eng.spec.reserve(eng.scheduler.running, eng._max_tokens))
             eng.spec.propose(scheduled)  # from the tokens the scheduler applied: the drafts are exact
         failed = eng._load_kv(scheduled) if scheduled is not None and scheduled.kv_loads else []
-        future: Future[ModelOutput] | None = None
-        if scheduled is not None and scheduled.seqs:
+        forward = scheduled is not None and bool(scheduled.seqs)
+        if forward:
             stamp_scheduled(eng.requests, scheduled.seqs, time.perf_counter())
-            # In the engine thread's context: torch keeps its compile settings (torch._dynamo.config)
-            # in context variables, which a new thread does not inherit.
-            future = self.pool.submit(contextvars.copy_context().run, eng.runner.execute, scheduled)
         pending, self.pending = self.pending, None
+        showing = self.pool.submit(self._show, pending)
         try:
-            shown, stops, now = self._show(pending)
-        except BaseException:
-            if future is not None:
-                wait([future])  # never return with the forward still reading the block tables
+            output = eng.runner.execute(scheduled) if forward else None
+        except BaseException as e:
+            wait([showing])  # never leave the outputs half built
+            if isinstance(e, Exception) and showing.exception() is None:
+                self.salvaged = failed + self._settle(*showing.result())
             raise
-        try:
-            output = future.result() if future is not None else None
-        except Exception:
-            self.salvaged = failed + self._settle(shown, stops, now)
-            raise
-        outputs = failed + self._settle(shown, stops, now)
+        outputs = failed + self._settle(*showing.result())  # raises what _show raised
         if output is not None:
             self._apply(scheduled, output)
         return outputs
@@ -111,9 +106,3 @@ class OverlappedSteps:
         eng.counters["steps"] += 1
         self.pending = output
 
-
-def _forward_thread(num_threads: int, device: torch.device) -> None:
-    """The forward thread runs as the engine thread would: its intra-op threads, its device."""
-    torch.set_num_threads(num_threads)
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
