@@ -6,12 +6,15 @@ In-process, so conftest's KV-leak guard checks every block came back.
 from __future__ import annotations
 
 import asyncio
+import contextvars
+import threading
 
 import pytest
 
 from modserve.core.config import EngineConfig
 from modserve.engine.engine import LLMEngine
 from modserve.core.sampling_params import SamplingParams
+import modserve.server.async_engine as async_engine_module
 from modserve.server.async_engine import AsyncEngine, EngineError
 
 PARAMS = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
@@ -51,6 +54,38 @@ def test_outputs_are_cumulative_and_end_finished(engine):
         assert ae.num_waiting == 0
 
     run(engine, body)
+
+
+MARKER: contextvars.ContextVar[str] = contextvars.ContextVar("marker")
+
+
+def test_the_engine_thread_computes_alone_in_the_callers_context(engine, monkeypatch):
+    """start() gives up the calling thread's OpenMP team (that thread loaded the model; the
+    engine thread runs every kernel from now on: tests/test_intra_op_threads.py) and runs the
+    engine thread in the caller's context, where torch keeps its compile settings."""
+    released = []
+    monkeypatch.setattr(async_engine_module, "release_intra_op_threads",
+                        lambda: released.append(threading.current_thread().name))
+    seen: dict[str, str | None] = {}
+    real_step = engine.step
+
+    def step():
+        seen.setdefault("thread", threading.current_thread().name)
+        seen.setdefault("marker", MARKER.get(None))
+        return real_step()
+
+    monkeypatch.setattr(engine, "step", step)
+
+    async def body(ae: AsyncEngine) -> None:
+        assert (await final(ae, [5, 6, 7])).finished
+
+    token = MARKER.set("the caller's")
+    try:
+        run(engine, body)
+    finally:
+        MARKER.reset(token)
+    assert released == [threading.current_thread().name]
+    assert seen == {"thread": "modserve-engine", "marker": "the caller's"}
 
 
 def test_add_failure_goes_to_its_caller_only(engine):

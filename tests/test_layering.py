@@ -181,7 +181,7 @@ FOLDER_BUDGETS: dict[str, tuple[int, str]] = {
                                    "LoRAMapping.ranks, so a kernel skips the rank padding (issue 47); +4: a KV "
                                    "connector's failed saves in its contract, error_kind kv_load (issue 44); +3: "
                                    "the pipeline_in_flight key (issue 43)"),
-    "engine": (2300 + 14 + 500 + 225 + 35 + 70 + 10 + 150 + 16 + 5 + 215 + 6 + 2 + 150 + 135 + 14 + 2 + 6 + 10, "rank 0: the engine loop, the scheduler core, culprit isolation, the output "
+    "engine": (2300 + 14 + 500 + 225 + 35 + 70 + 10 + 150 + 16 + 5 + 215 + 6 + 2 + 150 + 135 + 14 + 2 + 6 + 10 + 30, "rank 0: the engine loop, the scheduler core, culprit isolation, the output "
                                 "processor, speculative planning, grammar compiles and their worker processes; "
                                 "+14: LLMEngine.embed, the pooling runner's entry (issue 46); +500: the "
                                 "engine-core process, its message protocol and output deltas (engine "
@@ -204,7 +204,8 @@ FOLDER_BUDGETS: dict[str, tuple[int, str]] = {
                                 "by the next (issue 43); +2: an engine core's thread stacks on SIGUSR1, to see where "
                                 "a stalled one is; +6: an in-process step's outputs built from one read of it "
                                 "(OutputProcessor's update once, not twice); +10: an engine core imports its "
-                                "engine and reads its checkpoint's config before Start, while the API server imports its own (issue 40)"),
+                                "engine and reads its checkpoint's config before Start, while the API server imports its own (issue 40); "
+                                "+30: one OpenMP team per process, engine/intra_op_threads.py (issue 40)"),
     "runner": (2000 + 151 + 300 + 180 + 120 + 24 + 230 + 62 + 80 + 30, "every rank: the model runner, batch building, the forward context, the linear "
                            "factory, collectives, the loader, sampling and rejection sampling; +151: the "
                            "pooling runner, runner/pooling.py, its KV sizing and checkpoint config (issue 46); "

@@ -13,6 +13,7 @@ limits (immutable) and its grammar compiler (thread-safe).
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import logging
 import queue
 import threading
@@ -23,6 +24,7 @@ from typing import Any, Callable
 from modserve.core.structured_outputs import GrammarSpec
 from modserve.engine.engine import EngineDeadError, LLMEngine
 from modserve.engine.grammar_compile import CompiledGrammar
+from modserve.engine.intra_op_threads import release_intra_op_threads
 # The names below are this module's API since before engine_frontend.py held them.
 from modserve.server.engine_frontend import (DEAD_MESSAGE, AbortRequest, AddRequest, Aborts, EngineDead,  # noqa: F401
                                              EngineError, EngineFrontend, EngineStopped, PluginFailed,
@@ -71,7 +73,10 @@ class AsyncEngine(EngineFrontend):
         if self.dead_reason is not None:
             raise EngineDead(f"the engine stopped: {self.dead_reason}")
         self._loop = asyncio.get_running_loop()
-        self._thread = threading.Thread(target=self._run, name="modserve-engine", daemon=True)
+        release_intra_op_threads()  # this thread loaded the model: the engine thread computes from now on
+        # the engine thread runs in this context: torch keeps its compile settings in context variables
+        self._thread = threading.Thread(target=contextvars.copy_context().run, args=(self._run,),
+                                        name="modserve-engine", daemon=True)
         self._thread.start()
 
     def stop(self, timeout: float = 10.0) -> None:
