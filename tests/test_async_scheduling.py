@@ -277,7 +277,7 @@ def test_a_failed_forward_blames_its_request_and_loses_no_output(pair, monkeypat
 
 
 @pytest.mark.parametrize("compile_setting", ["off", "on"])
-def test_lora_adapters_apply_on_the_forward_thread(llama_dir, tmp_path, compile_setting):
+def test_lora_adapters_apply_in_async_steps(llama_dir, tmp_path, compile_setting):
     """The LoRA row mapping is a thread-local of the forward: set and read on the thread that
     runs it, eagerly and by the compiled layers' opaque LoRA op."""
     adapter = make_adapter(llama_dir, tmp_path / "a", 8, ALL, seed=1)
