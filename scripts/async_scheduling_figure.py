@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
 import sys
 import time
@@ -60,6 +59,7 @@ def main() -> int:
     ap.add_argument("--json", help="write the raw figures here")
     args = ap.parse_args()
     from modserve import LLM
+    from modserve.bench.report import hardware_line
 
     extra = {"num_threads": args.num_threads} if args.num_threads else {}
     llms = {mode: LLM(args.model, progress=False, num_kv_blocks=1024, async_scheduling=mode, **extra)
@@ -74,7 +74,7 @@ def main() -> int:
                 raw.setdefault(key, {"step_ms": [], "itl_ms": []})
                 raw[key]["step_ms"] += step_ms
                 raw[key]["itl_ms"] += itl
-    print(f"{platform.processor() or platform.machine()}, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
+    print(f"{hardware_line()}, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
     print("| sequences | async | step ms p50 | ITL ms p50 | ITL ms p99 |\n|---|---|---|---|---|")
     for key, v in raw.items():
         n, mode = key.split("/")
