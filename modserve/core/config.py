@@ -116,8 +116,8 @@ class EngineConfig(BaseModel):
         "recompute", description="When blocks run out: drop the KV and recompute it, or copy it to host memory")
     swap_space_gb: float = Field(4.0, ge=0, description="Host memory for swapped-out KV (preemption_mode: swap)")
     async_scheduling: bool = Field(
-        False, description="Run step N+1's forward on a background thread while step N's tokens are "
-        "detokenized, checked for stop strings and turned into outputs (docs/scheduling.md)")
+        False, description="Detokenize step N's tokens, check them for stop strings and turn them into "
+        "outputs on a background thread while step N+1's forward runs (docs/scheduling.md)")
     num_swap_blocks: int | None = Field(None, ge=0, description="Exact host block count (overrides swap_space_gb)")
     max_num_seqs: int = Field(128, gt=0, description="Most sequences running at once")
     max_num_batched_tokens: int = Field(2048, gt=0, description="Token budget of one step (prefill chunk size)")
