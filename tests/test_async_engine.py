@@ -14,7 +14,6 @@ import pytest
 from modserve.core.config import EngineConfig
 from modserve.engine.engine import LLMEngine
 from modserve.core.sampling_params import SamplingParams
-import modserve.server.async_engine as async_engine_module
 from modserve.server.async_engine import AsyncEngine, EngineError
 
 PARAMS = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
@@ -64,7 +63,7 @@ def test_the_engine_thread_computes_alone_in_the_callers_context(engine, monkeyp
     engine thread runs every kernel from now on: tests/test_intra_op_threads.py) and runs the
     engine thread in the caller's context, where torch keeps its compile settings."""
     released = []
-    monkeypatch.setattr(async_engine_module, "release_intra_op_threads",
+    monkeypatch.setattr("modserve.server.async_engine.release_intra_op_threads",
                         lambda: released.append(threading.current_thread().name))
     seen: dict[str, str | None] = {}
     real_step = engine.step

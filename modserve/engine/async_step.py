@@ -10,13 +10,12 @@ sequence (the token N+1 sampled for it is dropped unread, its blocks freed only 
 forward no longer reads them), then the scheduler applies N+1, whose tokens are shown by the
 next call.
 
-The forward stays on the engine thread, which loaded the model: torch's intra-op threads
-(an OpenMP team) belong to the thread that starts a parallel kernel, so a forward on a
-thread of its own would start a second team. With more OpenMP threads than cores, GNU
-OpenMP stops spinning between parallel regions, and each of a step's parallel kernels would
-wait for a sleeping thread to wake. The output thread runs no parallel kernel: it reads
-the sampler's tensors as lists. (torch.set_num_threads is not the way to keep it from
-starting a team: it sets the count of every thread that has not run a parallel kernel yet.)
+The forward stays on the engine thread, which loaded the model and owns its OpenMP team: a
+forward on a thread of its own would start a second team, and every kernel would then wait
+for a sleeping thread (modserve/engine/intra_op_threads.py says why). The output thread runs
+no parallel kernel: it reads the sampler's tensors as lists. (torch.set_num_threads is not
+the way to keep it from starting a team: it sets the count of every thread that has not run
+a parallel kernel yet.)
 
 NOTE: nothing is in flight between two calls: an abort, a preemption, shutdown and culprit
 isolation see the synchronous engine's state, N+1's tokens applied but not yet shown.
